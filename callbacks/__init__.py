@@ -1,0 +1,7 @@
+"""Lightning callbacks of lit_parl (imported as ``lit_parl.callbacks``)."""
+
+from .hf_export import HFExport
+from .run_summary import RunSummary
+from .weight_sync import WeightSync
+
+__all__ = ["HFExport", "RunSummary", "WeightSync"]

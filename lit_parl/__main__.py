@@ -1,0 +1,3 @@
+from lit_parl.cli import main
+
+main()

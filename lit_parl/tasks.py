@@ -1,0 +1,82 @@
+"""Synthetic tasks with a verifiable reward in [0, 1], learnable from random init on a CPU.
+
+A task makes prompt ``index`` deterministically from its seed (so a resumed run sees the same prompts)
+and scores a completion from token ids, never from decoded text: decoding drops the end token, and
+without credit for stopping a model learns never to stop.
+
+Example::
+
+    >>> task = CopyTask(min_digits=2, max_digits=4, seed=0)
+    >>> prompt, answer = task.make(0)
+    >>> prompt.endswith("=") and prompt[:-1] == answer
+    True
+    >>> positional_reward(answer_ids=[5, 6], completion_ids=[5, 6, 1], eos_id=1)
+    1.0
+"""
+
+from __future__ import annotations
+
+import random
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Sequence
+
+
+def positional_reward(answer_ids: Sequence[int], completion_ids: Sequence[int], eos_id: int) -> float:
+    """One point per position matching ``answer + [eos]``, divided by the longer of output and target.
+
+    1.0 only for the exact answer followed by the end token; a completion cut at the length limit
+    (no end token) can never reach 1.0.
+    """
+    output = list(completion_ids)
+    if eos_id in output:
+        output = output[: output.index(eos_id) + 1]
+    target = [*answer_ids, eos_id]
+    matches = sum(o == t for o, t in zip(output, target))
+    return matches / max(len(output), len(target))
+
+
+@dataclass
+class DigitTask(ABC):
+    """Base for string-to-string digit tasks: a prompt ``<digits>=`` and an answer derived from it."""
+
+    min_digits: int = 2
+    max_digits: int = 4
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.min_digits <= self.max_digits:
+            raise ValueError(
+                f"need 1 <= min_digits <= max_digits, got min_digits={self.min_digits}, max_digits={self.max_digits}"
+            )
+
+    @abstractmethod
+    def answer(self, digits: str) -> str:
+        """The answer text for ``digits``."""
+
+    def make(self, index: int) -> tuple[str, str]:
+        """Prompt text and answer text of prompt ``index`` (deterministic in ``seed`` and ``index``)."""
+        rng = random.Random(f"{self.seed}:{index}")
+        length = rng.randint(self.min_digits, self.max_digits)
+        digits = "".join(rng.choice("0123456789") for _ in range(length))
+        return f"{digits}=", self.answer(digits)
+
+    def max_answer_tokens(self) -> int:
+        return self.max_digits
+
+    def reward(self, answer_ids: Sequence[int], completion_ids: Sequence[int], eos_id: int) -> float:
+        return positional_reward(answer_ids, completion_ids, eos_id)
+
+
+class CopyTask(DigitTask):
+    """``3917=`` → ``3917``."""
+
+    def answer(self, digits: str) -> str:
+        return digits
+
+
+class ReverseTask(DigitTask):
+    """``3917=`` → ``7193``."""
+
+    def answer(self, digits: str) -> str:
+        return digits[::-1]
