@@ -100,13 +100,18 @@ def _worker_main(worker_id, config, reward_fn, eos_id, pad_id, threads, inbox, r
 
 
 class HFRolloutPool(RolloutPool):
-    """``num_workers`` spawned processes, each ``threads_per_worker`` CPU threads (all cores when colocated)."""
+    """``num_workers`` spawned processes of ``threads_per_worker`` CPU threads each.
+
+    Colocated (sync mode: generation and training take turns), each worker gets ``colocated_threads``,
+    by default all cores divided between the workers.
+    """
 
     def __init__(
         self,
         num_workers: int = 1,
         threads_per_worker: int = 1,
         prompts_per_request: int = 8,
+        colocated_threads: int | None = None,
         start_timeout_s: float = 120.0,
         response_timeout_s: float = 600.0,
     ) -> None:
@@ -119,6 +124,7 @@ class HFRolloutPool(RolloutPool):
         self.num_workers = num_workers
         self.threads_per_worker = threads_per_worker
         self.prompts_per_request = prompts_per_request
+        self.colocated_threads = colocated_threads  # None: all cores split between the workers
         self.start_timeout_s = start_timeout_s
         self.response_timeout_s = response_timeout_s
         self.version = None
@@ -133,7 +139,10 @@ class HFRolloutPool(RolloutPool):
     def start(self, policy: PreTrainedModel, reward_fn: RewardFunction, eos_id: int, pad_id: int, colocated: bool) -> None:
         if self._processes:
             raise RuntimeError("HFRolloutPool.start called twice")
-        threads = max(1, (os.cpu_count() or 1) // self.num_workers) if colocated else self.threads_per_worker
+        if colocated:
+            threads = self.colocated_threads or max(1, (os.cpu_count() or 1) // self.num_workers)
+        else:
+            threads = self.threads_per_worker
         context = mp.get_context("spawn")
         self._results = context.Queue()
         self._inboxes = [context.Queue() for _ in range(self.num_workers)]

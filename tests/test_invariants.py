@@ -1,0 +1,239 @@
+"""The on-policy invariants of DESIGN.md §1, each proven on real training runs (tiny model, real pool)."""
+
+from __future__ import annotations
+
+import random
+
+import lightning
+import pytest
+import torch
+from lightning.pytorch import Callback
+
+from lit_parl import GRPOObjective, OffPolicyError
+from lit_parl.rollout import HFRolloutPool
+from lit_parl.tasks import CopyTask
+
+from conftest import WrappedPool, fit, make_components, policy_state
+
+
+def _pool() -> HFRolloutPool:
+    return HFRolloutPool(num_workers=1, threads_per_worker=1, prompts_per_request=2, colocated_threads=1)
+
+
+def _assert_same_weights(a: dict, b: dict, atol: float = 1e-6, rtol: float = 1e-5) -> None:
+    assert a.keys() == b.keys()
+    for name in a:
+        torch.testing.assert_close(a[name], b[name], atol=atol, rtol=rtol, msg=lambda m: f"{name}: {m}")
+
+
+class ShufflingPool(WrappedPool):
+    """Hands groups out in a different order than they finished (a pool where some groups are slow)."""
+
+    def __init__(self, inner, seed: int = 0) -> None:
+        super().__init__(inner)
+        self.rng = random.Random(seed)
+
+    def transform(self, groups):
+        groups = list(groups)
+        self.rng.shuffle(groups)
+        yield from groups
+
+
+class BatchRecorder(Callback):
+    def __init__(self) -> None:
+        self.batches = []
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        self.batches.append((trainer.current_epoch, batch))
+
+
+def test_sync_and_async_end_with_the_same_weights():
+    """Invariant 5: the colocated baseline and periodic asynchrony train the same model from the same rollouts."""
+    weights = {}
+    for mode in ("sync", "async"):
+        module, data = make_components(mode=mode, pool=_pool())
+        initial = policy_state(module)
+        fit(module, data, iterations=3)
+        weights[mode] = policy_state(module)
+        assert data.iterations_done == 3
+    assert any(not torch.equal(initial[k], weights["async"][k]) for k in initial), "training changed nothing"
+    _assert_same_weights(weights["sync"], weights["async"])
+
+
+def test_arrival_order_and_micro_batch_split_do_not_change_the_update():
+    """Invariant 4: groups arriving shuffled, in micro-batches of another size, give the same weights."""
+    module_a, data_a = make_components(mode="async", pool=_pool(), micro_batch_size=8)
+    fit(module_a, data_a, iterations=3)
+    module_b, data_b = make_components(mode="async", pool=ShufflingPool(_pool(), seed=1), micro_batch_size=16)
+    fit(module_b, data_b, iterations=3)
+    _assert_same_weights(policy_state(module_a), policy_state(module_b))
+
+
+def test_token_mean_is_normalised_over_the_whole_iteration_not_per_micro_batch():
+    """token-mean divides by the iteration's token count, known only at the step: split-invariant too."""
+    objective = lambda: GRPOObjective(loss_aggregation="token-mean")  # noqa: E731
+    module_a, data_a = make_components(pool=_pool(), micro_batch_size=32, objective=objective())
+    fit(module_a, data_a, iterations=2)
+    module_b, data_b = make_components(pool=ShufflingPool(_pool(), seed=3), micro_batch_size=4, objective=objective())
+    fit(module_b, data_b, iterations=2)
+    _assert_same_weights(policy_state(module_a), policy_state(module_b))
+
+
+def test_out_of_order_groups_are_each_trained_exactly_once_with_their_own_completions():
+    """Invariant 3: results are paired with prompts by id, never by arrival order."""
+    pool = ShufflingPool(_pool(), seed=7)
+    recorder = BatchRecorder()
+    module, data = make_components(pool=pool, prompts=8, group_size=4, micro_batch_size=8)
+    fit(module, data, iterations=3, callbacks=[recorder])
+
+    returned = {(g.version, g.prompt_id): g for g in pool.returned}
+    task = CopyTask(seed=0)
+    trained = []
+    for epoch, batch in recorder.batches:
+        for row, (prompt_id, sample) in enumerate(zip(batch.prompt_ids, batch.sample_indices)):
+            trained.append((epoch, prompt_id, sample))
+            assert batch.version == epoch
+            group = returned[(batch.version, prompt_id)]
+            prompt_ids = data.tokenizer(task.make(prompt_id)[0], add_special_tokens=False).input_ids
+            completion = group.completions[group.sample_indices.index(sample)]
+            tokens = batch.input_ids[row].tolist()
+            assert tokens[: len(prompt_ids)] == prompt_ids, "row does not start with its own prompt"
+            assert tokens[len(prompt_ids) : len(prompt_ids) + len(completion)] == completion, "row carries another prompt's completion"
+            assert batch.rewards[row].item() == pytest.approx(group.rewards[group.sample_indices.index(sample)])
+    # every scheduled prompt of every iteration, every sample, exactly once
+    expected = [(epoch, epoch * 8 + p, s) for epoch in range(3) for p in range(8) for s in range(4)]
+    assert sorted(trained) == sorted(expected)
+    # and the shuffling really reordered the stream
+    arrival = [g.prompt_id for g in pool.returned[:8]]
+    assert arrival != sorted(arrival)
+
+
+class StaleVersionPool(WrappedPool):
+    def transform(self, groups):
+        for group in groups:
+            if self.inner.version == 1:
+                group.version = 0  # as if a worker had kept θ_0 for this group
+            yield group
+
+
+def test_a_trajectory_of_another_policy_version_is_an_error():
+    """Invariant 1: off-policy data is refused, not warned about."""
+    module, data = make_components(pool=StaleVersionPool(_pool()))
+    with pytest.raises(OffPolicyError, match=r"generated by policy version 0, but iteration 1 trains version 1"):
+        fit(module, data, iterations=3)
+    assert data.iterations_done == 1  # iteration 0 was fine
+
+
+class GateRecorder(WrappedPool):
+    """Records the pool's view: which version it holds when a request arrives."""
+
+    def __init__(self, inner) -> None:
+        super().__init__(inner)
+        self.events = []
+
+    def sync_weights(self, named_tensors, version):
+        self.events.append(("sync_start", version, self.inner.version))
+        super().sync_weights(named_tensors, version)
+        self.events.append(("synced", version, self.inner.version))
+
+    def generate(self, requests, sampling):
+        self.events.append(("request", sorted({r.version for r in requests}), self.inner.version))
+        yield from super().generate(requests, sampling)
+
+
+def test_no_request_reaches_the_pool_before_it_holds_the_new_version():
+    """Invariant 2, observed from the pool's side over a real fit (Lightning prefetch included)."""
+    pool = GateRecorder(_pool())
+    module, data = make_components(pool=pool)
+    fit(module, data, iterations=3)
+    requests = [e for e in pool.events if e[0] == "request"]
+    assert [versions for _, versions, _ in requests] == [[0], [1], [2]]
+    for kind, versions, held in requests:
+        assert held == versions[0], f"a request for {versions} reached a pool holding {held}"
+    # each request comes after the matching sync finished and before the next sync starts
+    kinds = [(e[0], e[1] if e[0] != "request" else e[1][0]) for e in pool.events]
+    assert kinds == [(k, v) for v in range(3) for k in ("sync_start", "synced", "request")]
+    # the workers stamped every group with the version they held
+    assert sorted({g.version for g in pool.returned}) == [0, 1, 2]
+
+
+def test_the_pool_itself_refuses_requests_for_a_version_it_does_not_hold(hf_pool):
+    """The gate is enforced inside the pool, and inside each worker, not only by the trainer."""
+    module, data = make_components(pool=hf_pool)
+    hf_pool.start(module.policy, data.task, data.tokenizer.eos_token_id, data.tokenizer.pad_token_id, colocated=False)
+    hf_pool.sync_weights(module.policy.named_parameters(), version=0)
+    ahead = list(data.schedule(version=1).values())
+    with pytest.raises(RuntimeError, match=r"version gate: requests for policy version\(s\) \[1\] reached a pool holding version 0"):
+        list(hf_pool.generate(ahead, data.sampling))
+    hf_pool.check_requests = lambda requests: None  # bypass the pool's check: the worker must still refuse
+    with pytest.raises(RuntimeError, match=r"worker 0 holds policy version 0 but got requests for \[1\]"):
+        list(hf_pool.generate(ahead, data.sampling))
+
+
+class ConstantTask(CopyTask):
+    def reward(self, answer_ids, completion_ids, eos_id):
+        return 0.5
+
+
+def test_all_equal_rewards_give_zero_advantage_and_no_update():
+    """Zero-variance groups do not crash (zero grad norm) and move no weight."""
+    module, data = make_components(pool=_pool(), task=ConstantTask())
+    before = policy_state(module)
+    fit(module, data, iterations=2)
+    after = policy_state(module)
+    for name in before:
+        assert torch.equal(before[name], after[name]), f"{name} moved without any advantage"
+
+
+def test_a_zero_advantage_group_contributes_no_gradient():
+    """Invariant check at the loss level: the gradient of a zero-advantage group is exactly zero."""
+    from lit_parl.trajectory import Trajectory, collate_padded
+
+    module, data = make_components()
+    rewards = torch.tensor([0.25, 0.25, 0.25, 0.25])
+    advantages = module.group_advantages(rewards)
+    assert torch.equal(advantages, torch.zeros(4))
+    trajectories = [
+        Trajectory(0, s, 0, [5, 6, 41], [5, 6, 1][: 2 + s % 2], [-1.0] * (2 + s % 2), 0.25, float(advantages[s]), False)
+        for s in range(4)
+    ]
+    batch = collate_padded(trajectories, pad_id=0, sample_offset=0, iteration_samples=4)
+    logp = module.sequence_logprobs(module.policy, batch)
+    terms = module.objective(logp, logp.detach(), None, batch.advantages, batch.loss_mask)
+    terms.loss_sum.backward()
+    grads = [p.grad for p in module.policy.parameters() if p.grad is not None]
+    assert grads and all(torch.count_nonzero(g) == 0 for g in grads)
+
+
+def test_components_without_the_cli():
+    """The README snippet: module, datamodule and callback in plain Python, then Trainer.fit."""
+    from lit_parl import GRPOModule, RolloutDataModule, tiny_qwen2
+    from lit_parl.callbacks import RunSummary, WeightSync
+
+    policy, tokenizer = tiny_qwen2()
+    module = GRPOModule(policy, GRPOObjective(beta=0.04), tokenizer=tokenizer, lr=5e-4)
+    data = RolloutDataModule(CopyTask(), HFRolloutPool(), tokenizer, prompts_per_iteration=8, group_size=4, micro_batch_size=16)
+    summary = RunSummary(dirpath=None)
+    trainer = lightning.Trainer(max_epochs=2, callbacks=[WeightSync(), summary], logger=False, enable_checkpointing=False,
+                                enable_progress_bar=False, default_root_dir="/tmp/lit_parl_test_plain")
+    trainer.fit(module, datamodule=data)
+    assert summary.summary["iterations"] == 2 and summary.summary["completions"] == 2 * 8 * 4
+    assert "kl" in trainer.callback_metrics  # β > 0 ran the reference
+    assert data.pool.health()["workers"] == 0  # the datamodule closed its pool
+
+
+def test_several_mini_batches_use_the_exact_snapshot_of_the_iteration_as_old_policy():
+    """With two optimizer steps per iteration the old log-probs come from θ_k, not the half-updated policy."""
+    seen = []
+
+    class OldChecker(Callback):
+        def on_train_epoch_start(self, trainer, pl_module):
+            seen.append(("start", {k: v.clone() for k, v in pl_module.policy.state_dict().items()}))
+
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            old = pl_module.old.state_dict()
+            assert all(torch.equal(old[k], v) for k, v in seen[-1][1].items()), "old policy is not θ_k"
+
+    module, data = make_components(pool=_pool(), mini_batches=2, micro_batch_size=8)
+    trainer = fit(module, data, iterations=2, callbacks=[OldChecker()])
+    assert trainer.global_step == 4  # 2 iterations x 2 optimizer steps
