@@ -52,10 +52,13 @@ class GRPOObjective:
 
     def advantages(self, rewards: torch.Tensor) -> torch.Tensor:
         """(r - mean) / (std + eps) within one group; all-equal rewards give exactly zero."""
-        centred = rewards - rewards.mean()
-        if not self.scale_rewards:
-            return centred
-        return centred / (rewards.std() + self.eps)
+        if torch.all(rewards == rewards[0]):  # exact zeros: the float32 mean's rounding must not leak in
+            return torch.zeros_like(rewards)
+        values = rewards.double()
+        centred = values - values.mean()
+        if self.scale_rewards:
+            centred = centred / (values.std() + self.eps)
+        return centred.to(rewards.dtype)
 
     def __call__(
         self,

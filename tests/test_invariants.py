@@ -172,7 +172,7 @@ def test_the_pool_itself_refuses_requests_for_a_version_it_does_not_hold(hf_pool
 
 class ConstantTask(CopyTask):
     def reward(self, answer_ids, completion_ids, eos_id):
-        return 0.5
+        return 2 / 3  # not exactly representable: the mean must not leave a rounding residue
 
 
 def test_all_equal_rewards_give_zero_advantage_and_no_update():
@@ -190,7 +190,7 @@ def test_a_zero_advantage_group_contributes_no_gradient():
     from lit_parl.trajectory import Trajectory, collate_padded
 
     module, data = make_components()
-    rewards = torch.tensor([0.25, 0.25, 0.25, 0.25])
+    rewards = torch.full((4,), 2 / 3)
     advantages = module.group_advantages(rewards)
     assert torch.equal(advantages, torch.zeros(4))
     trajectories = [
