@@ -85,8 +85,6 @@ def run(cfg: DictConfig) -> dict:
     finally:
         datamodule.pool.close()
         signal.signal(signal.SIGTERM, previous)
-    if trainer.interrupted:
-        raise SystemExit(130)
     summary = next(c for c in trainer.callbacks if isinstance(c, RunSummary))
     return summary.summary
 

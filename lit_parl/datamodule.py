@@ -154,6 +154,10 @@ class RolloutDataModule(LightningDataModule):
     def teardown(self, stage: str) -> None:
         self.pool.close()
 
+    def on_exception(self, exception: BaseException) -> None:
+        # a failed or interrupted fit skips teardown: the workers must not outlive it
+        self.pool.close()
+
     def train_dataloader(self) -> DataLoader:
         return DataLoader(_IterationStream(self), batch_size=None, num_workers=0, collate_fn=_identity)
 
