@@ -18,6 +18,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from lit_parl.callbacks import HFExport, RunSummary, WeightSync
 from lit_parl.datamodule import RolloutDataModule
+from lit_parl.kernels.attention import resolve_backend
 from lit_parl.module import GRPOModule
 from lit_parl.trajectory import SamplingParams
 
@@ -40,6 +41,8 @@ def build(cfg: DictConfig) -> tuple[GRPOModule, RolloutDataModule, lightning.Tra
         max_grad_norm=algorithm.max_grad_norm,
         mini_batches=algorithm.mini_batches,
         temperature=sampling.temperature,
+        attention_backend=algorithm.attention_backend,
+        logprob_chunk_size=algorithm.logprob_chunk_size,
     )
     datamodule = RolloutDataModule(
         task,
@@ -53,6 +56,9 @@ def build(cfg: DictConfig) -> tuple[GRPOModule, RolloutDataModule, lightning.Tra
         seed=cfg.seed,
         trainer_threads=rollout.trainer_threads,
         gate_timeout_s=rollout.gate_timeout_s,
+        packing=rollout.packing,
+        min_packing_gain=rollout.min_packing_gain,
+        max_row_tokens=rollout.max_row_tokens,
     )
     if datamodule.iteration_samples % (algorithm.mini_batches * rollout.micro_batch_size):
         raise ValueError(
@@ -69,6 +75,7 @@ def build(cfg: DictConfig) -> tuple[GRPOModule, RolloutDataModule, lightning.Tra
         default_root_dir=str(run_dir),
         enable_checkpointing=bool(cfg.checkpoint_every),
     )
+    resolve_backend(algorithm.attention_backend, trainer.strategy.root_device)  # fail before any process starts
     return module, datamodule, trainer
 
 

@@ -32,7 +32,7 @@ from torch.utils.data import DataLoader, IterableDataset
 from transformers import PreTrainedTokenizerBase
 
 from lit_parl.rollout.base import RolloutPool
-from lit_parl.trajectory import Group, GroupRequest, SamplingParams, Trajectory, collate_padded, sample_seed
+from lit_parl.trajectory import PACKING_MODES, Group, GroupRequest, SamplingParams, Trajectory, collate, sample_seed
 
 MODES = ("async", "sync")
 
@@ -87,6 +87,9 @@ class RolloutDataModule(LightningDataModule):
         seed: int = 0,
         trainer_threads: int | None = None,
         gate_timeout_s: float = 300.0,
+        packing: str = "auto",
+        min_packing_gain: float = 1.5,
+        max_row_tokens: int | None = None,
     ) -> None:
         super().__init__()
         if group_size < 2:
@@ -101,6 +104,8 @@ class RolloutDataModule(LightningDataModule):
             )
         if mode not in MODES:
             raise ValueError(f"rollout.mode={mode!r}; choose one of {MODES}")
+        if packing not in PACKING_MODES:
+            raise ValueError(f"rollout.packing={packing!r}; choose one of {PACKING_MODES}")
         self.task = task
         self.pool = pool
         self.tokenizer = tokenizer
@@ -112,6 +117,9 @@ class RolloutDataModule(LightningDataModule):
         self.seed = seed
         self.trainer_threads = trainer_threads
         self.gate_timeout_s = gate_timeout_s
+        self.packing = packing  # shared_prompt: each group's prompt computed once (lit_parl.kernels.pack)
+        self.min_packing_gain = min_packing_gain
+        self.max_row_tokens = max_row_tokens
         self.cursor = 0  # index of the next prompt to schedule
         self.iterations_done = 0
         self.last_version: int | None = None
@@ -233,7 +241,10 @@ class RolloutDataModule(LightningDataModule):
                 self._finish_iteration(stats)
             while len(buffer) >= self.micro_batch_size:
                 chunk, buffer = buffer[: self.micro_batch_size], buffer[self.micro_batch_size :]
-                yield collate_padded(chunk, self.tokenizer.pad_token_id, offset, self.iteration_samples)
+                yield collate(
+                    chunk, self.tokenizer.pad_token_id, offset, self.iteration_samples,
+                    self.packing, self.min_packing_gain, self.max_row_tokens,
+                )
                 offset += len(chunk)
 
     def _finish_iteration(self, stats: IterationStats) -> None:

@@ -27,7 +27,8 @@ import torch
 from lightning.pytorch import LightningModule
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from lit_parl.kernels import token_logprobs
+from lit_parl.kernels.attention import resolve_backend
+from lit_parl.kernels.forward import check_supported, completion_logprobs
 from lit_parl.objectives import GRPOObjective
 from lit_parl.trajectory import MicroBatch
 
@@ -50,10 +51,13 @@ class GRPOModule(LightningModule):
         max_grad_norm: float | None = 1.0,
         mini_batches: int = 1,
         temperature: float = 1.0,
+        attention_backend: str = "auto",
+        logprob_chunk_size: int = 1024,
     ) -> None:
         super().__init__()
         if mini_batches < 1:
             raise ValueError(f"algorithm.mini_batches must be >= 1, got {mini_batches}")
+        check_supported(policy)
         self.automatic_optimization = False
         self.policy = policy
         self.objective = objective
@@ -62,6 +66,9 @@ class GRPOModule(LightningModule):
         self.max_grad_norm = max_grad_norm
         self.mini_batches = mini_batches
         self.temperature = temperature
+        self.attention_backend = attention_backend  # resolved for the device at fit start
+        self.logprob_chunk_size = logprob_chunk_size
+        self._backend: str | None = None
         self.reference = _frozen_copy(policy) if objective.needs_reference else None
         self.old = _frozen_copy(policy) if mini_batches > 1 else None
         self._normaliser = 0.0
@@ -71,6 +78,9 @@ class GRPOModule(LightningModule):
     # -- Lightning hooks -------------------------------------------------------------------------------
     def configure_optimizers(self):
         return torch.optim.AdamW(self.policy.parameters(), lr=self.lr, betas=self.betas, weight_decay=self.weight_decay)
+
+    def on_fit_start(self) -> None:
+        self._backend = resolve_backend(self.attention_backend, self.device)
 
     def on_train_epoch_start(self) -> None:
         if self.old is not None:  # θ_k exactly: the weights the pool generates this iteration with
@@ -82,23 +92,24 @@ class GRPOModule(LightningModule):
         """Advantages of one finished group (called by the datamodule as groups arrive)."""
         return self.objective.advantages(rewards)
 
-    def sequence_logprobs(self, model: PreTrainedModel, batch: MicroBatch) -> torch.Tensor:
-        """Log-probs ``[B, L-1]`` of ``batch.targets`` under ``model`` at the sampling temperature."""
-        logits = model(input_ids=batch.input_ids, use_cache=False).logits[:, :-1]
-        return token_logprobs(logits, batch.targets, self.temperature)
+    def completion_logprobs(self, model: PreTrainedModel, batch: MicroBatch) -> torch.Tensor:
+        """Log-probs ``[n, T]`` of the batch's completions under ``model`` at the sampling temperature."""
+        if batch.tokens.attention is not None:
+            batch.tokens.attention.backend = self._backend or resolve_backend(self.attention_backend, self.device)
+        return completion_logprobs(model, batch.tokens, self.temperature, self.logprob_chunk_size)
 
     def training_step(self, batch: MicroBatch, batch_idx: int) -> torch.Tensor:
         start = time.monotonic()
-        logp = self.sequence_logprobs(self.policy, batch)
+        logp = self.completion_logprobs(self.policy, batch)
         with torch.no_grad():
-            old_logp = self.sequence_logprobs(self.old, batch) if self.old is not None else logp.detach()
-            ref_logp = self.sequence_logprobs(self.reference, batch) if self.reference is not None else None
-        terms = self.objective(logp, old_logp, ref_logp, batch.advantages, batch.loss_mask)
+            old_logp = self.completion_logprobs(self.old, batch) if self.old is not None else logp.detach()
+            ref_logp = self.completion_logprobs(self.reference, batch) if self.reference is not None else None
+        terms = self.objective(logp, old_logp, ref_logp, batch.advantages, batch.completion_mask)
         self.manual_backward(terms.loss_sum)
         self._normaliser += float(terms.normaliser)
         self._loss_sum += float(terms.loss_sum.detach())
 
-        mask = batch.loss_mask
+        mask = batch.completion_mask
         size = batch.size
         self.log("reward", batch.rewards.mean(), on_step=False, on_epoch=True, prog_bar=True, batch_size=size)
         self.log("rollout/logprob_abs_diff", ((old_logp - batch.rollout_logprobs).abs() * mask).sum() / mask.sum().clamp(min=1),

@@ -11,6 +11,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from lit_parl.kernels.packing import PackedTokens, pack
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -78,18 +80,17 @@ class Trajectory:
 
 @dataclass
 class MicroBatch:
-    """Right-padded rows ``[prompt, completion, pad...]``; position t predicts token t + 1.
+    """The trajectories of one ``training_step``, laid out for the forward pass (``lit_parl.kernels.pack``).
 
-    Right padding needs no attention mask: under causal attention no real token sees a pad.
+    Per-sample tensors are ordered group by group (samples of one prompt next to each other), the order
+    of ``tokens.completion_mask``'s rows. ``T`` is the longest completion.
     """
 
-    input_ids: torch.Tensor  # [B, L]
-    targets: torch.Tensor  # [B, L-1] = input_ids[:, 1:]
-    loss_mask: torch.Tensor  # [B, L-1] True where the target is a completion token
-    rollout_logprobs: torch.Tensor  # [B, L-1] the sampler's log-probs, 0 off the mask
-    advantages: torch.Tensor  # [B]
-    rewards: torch.Tensor  # [B]
-    truncated: torch.Tensor  # [B] bool: cut at the length limit
+    tokens: PackedTokens
+    rollout_logprobs: torch.Tensor  # [n, T] the sampler's log-probs, 0 off the completion mask
+    advantages: torch.Tensor  # [n]
+    rewards: torch.Tensor  # [n]
+    truncated: torch.Tensor  # [n] bool: cut at the length limit
     prompt_ids: list[int] = field(default_factory=list)
     sample_indices: list[int] = field(default_factory=list)
     version: int = -1
@@ -98,33 +99,64 @@ class MicroBatch:
 
     @property
     def size(self) -> int:
-        return int(self.input_ids.shape[0])
+        return int(self.advantages.shape[0])
+
+    @property
+    def completion_mask(self) -> torch.Tensor:
+        return self.tokens.completion_mask
 
 
-def collate_padded(trajectories: list[Trajectory], pad_id: int, sample_offset: int, iteration_samples: int) -> MicroBatch:
+PACKING_MODES = ("auto", "shared_prompt", "padded")
+
+
+def padded_token_count(groups: list[tuple[list[int], list[list[int]]]]) -> int:
+    """Tokens a padded layout computes: one row per completion, every row as long as the longest."""
+    rows = [len(p) + len(c) - 1 for p, cs in groups for c in cs]
+    return len(rows) * max(rows)
+
+
+def shared_prompt_token_count(groups: list[tuple[list[int], list[list[int]]]]) -> int:
+    return sum(len(p) + sum(len(c) - 1 for c in cs) for p, cs in groups)
+
+
+def collate(
+    trajectories: list[Trajectory],
+    pad_id: int,
+    sample_offset: int,
+    iteration_samples: int,
+    packing: str = "auto",
+    min_packing_gain: float = 1.5,
+    max_row_tokens: int | None = None,
+) -> MicroBatch:
+    """``packing``: ``shared_prompt``, ``padded``, or ``auto``: shared-prompt packing when the padded layout
+    would compute at least ``min_packing_gain`` times as many tokens (below that, the gathered attention
+    costs more than the tokens it saves)."""
+    if packing not in PACKING_MODES:
+        raise ValueError(f"rollout.packing={packing!r}; choose one of {PACKING_MODES}")
     versions = {t.version for t in trajectories}
     if len(versions) != 1:
         raise ValueError(f"a micro-batch mixes policy versions {sorted(versions)}")
-    rows = [t.prompt_ids + t.completion_ids for t in trajectories]
-    length = max(len(r) for r in rows)
-    input_ids = torch.full((len(rows), length), pad_id, dtype=torch.long)
-    loss_mask = torch.zeros((len(rows), length - 1), dtype=torch.bool)
-    rollout_logprobs = torch.zeros((len(rows), length - 1), dtype=torch.float32)
-    for i, (row, t) in enumerate(zip(rows, trajectories)):
-        input_ids[i, : len(row)] = torch.tensor(row)
-        start, end = len(t.prompt_ids) - 1, len(row) - 1  # the prompt's last position predicts c[0]
-        loss_mask[i, start:end] = True
-        rollout_logprobs[i, start:end] = torch.tensor(t.rollout_logprobs)
+    by_prompt: dict[int, list[Trajectory]] = {}
+    for t in trajectories:
+        by_prompt.setdefault(t.prompt_id, []).append(t)
+    ordered = [t for group in by_prompt.values() for t in group]
+    groups = [(group[0].prompt_ids, [t.completion_ids for t in group]) for group in by_prompt.values()]
+    if packing == "auto":
+        shared = padded_token_count(groups) >= min_packing_gain * shared_prompt_token_count(groups)
+    else:
+        shared = packing == "shared_prompt"
+    tokens = pack(groups, pad_id, shared_prompt=shared, max_row_tokens=max_row_tokens)
+    rollout_logprobs = torch.zeros(tokens.completion_mask.shape, dtype=torch.float32)
+    for i, t in enumerate(ordered):
+        rollout_logprobs[i, : len(t.rollout_logprobs)] = torch.tensor(t.rollout_logprobs)
     return MicroBatch(
-        input_ids=input_ids,
-        targets=input_ids[:, 1:].clone(),
-        loss_mask=loss_mask,
+        tokens=tokens,
         rollout_logprobs=rollout_logprobs,
-        advantages=torch.tensor([t.advantage for t in trajectories], dtype=torch.float32),
-        rewards=torch.tensor([t.reward for t in trajectories], dtype=torch.float32),
-        truncated=torch.tensor([t.truncated for t in trajectories], dtype=torch.bool),
-        prompt_ids=[t.prompt_id for t in trajectories],
-        sample_indices=[t.sample_index for t in trajectories],
+        advantages=torch.tensor([t.advantage for t in ordered], dtype=torch.float32),
+        rewards=torch.tensor([t.reward for t in ordered], dtype=torch.float32),
+        truncated=torch.tensor([t.truncated for t in ordered], dtype=torch.bool),
+        prompt_ids=[t.prompt_id for t in ordered],
+        sample_indices=[t.sample_index for t in ordered],
         version=versions.pop(),
         sample_offset=sample_offset,
         iteration_samples=iteration_samples,

@@ -19,7 +19,7 @@ from lit_parl.objectives import LOSS_AGGREGATIONS
 from lit_parl.rollout.sampling import filter_logits, sample_groups
 from lit_parl.tasks import CopyTask, ReverseTask, positional_reward
 from lit_parl.tokenizer import CHARACTERS, SPECIAL_TOKENS, build_char_tokenizer
-from lit_parl.trajectory import GroupRequest, SamplingParams, Trajectory, collate_padded, sample_seed
+from lit_parl.trajectory import GroupRequest, SamplingParams, Trajectory, collate, sample_seed
 
 
 # ------------------------------------------------------------------------------------------------------
@@ -661,49 +661,65 @@ def _trajectories(tok):
     return trajectories
 
 
-def test_collate_padded_layout(tok):
+@pytest.mark.parametrize("packing", ["padded", "shared_prompt"])
+def test_collate_layout(tok, packing):
     trajectories = _trajectories(tok)
-    batch = collate_padded(trajectories, tok.pad_token_id, sample_offset=8, iteration_samples=16)
-    length = max(len(t.prompt_ids) + len(t.completion_ids) for t in trajectories)
-    assert batch.input_ids.shape == (4, length)
-    assert batch.targets.shape == batch.loss_mask.shape == batch.rollout_logprobs.shape == (4, length - 1)
-    assert torch.equal(batch.targets, batch.input_ids[:, 1:])
-    for i, t in enumerate(trajectories):
-        row = t.prompt_ids + t.completion_ids
-        assert batch.input_ids[i].tolist() == row + [tok.pad_token_id] * (length - len(row))
-        # target position p holds input token p + 1: the completion's tokens are targets at
-        # positions len(prompt) - 1 ... len(prompt) + len(completion) - 2
-        positions = [p for p in range(length - 1) if bool(batch.loss_mask[i, p])]
-        assert positions == list(range(len(t.prompt_ids) - 1, len(t.prompt_ids) - 1 + len(t.completion_ids)))
-        assert batch.targets[i, positions].tolist() == t.completion_ids
-        assert batch.targets[i, positions[0]] == t.completion_ids[0] and positions[0] == len(t.prompt_ids) - 1
-        torch.testing.assert_close(batch.rollout_logprobs[i, positions], torch.tensor(t.rollout_logprobs))
-        assert torch.all(batch.rollout_logprobs[i][~batch.loss_mask[i]] == 0)
-    assert int(batch.loss_mask.sum()) == sum(len(t.completion_ids) for t in trajectories)
-    torch.testing.assert_close(batch.advantages, torch.tensor([t.advantage for t in trajectories]))
-    torch.testing.assert_close(batch.rewards, torch.tensor([t.reward for t in trajectories]))
-    assert batch.truncated.tolist() == [t.truncated for t in trajectories]
-    assert batch.prompt_ids == [t.prompt_id for t in trajectories]
-    assert batch.sample_indices == [t.sample_index for t in trajectories]
-    assert (batch.version, batch.sample_offset, batch.iteration_samples, batch.size) == (3, 8, 16, 4)
+    # a second sample of prompt 10 arrives last: collate groups it next to its sibling
+    sibling = copy.deepcopy(trajectories[0])
+    sibling.sample_index, sibling.completion_ids, sibling.rollout_logprobs = 1, [4, 1], [-2.0, -2.5]
+    trajectories.append(sibling)
+    batch = collate(trajectories, tok.pad_token_id, sample_offset=8, iteration_samples=16, packing=packing)
+    ordered = [trajectories[0], sibling, *trajectories[1:4]]
+    width = max(len(t.completion_ids) for t in ordered)
+    assert batch.completion_mask.shape == batch.rollout_logprobs.shape == (5, width)
+    tokens = batch.tokens
+    flat_inputs = tokens.input_ids.reshape(-1)
+    for i, t in enumerate(ordered):
+        labels = tokens.label_slots // width == i
+        assert tokens.label_targets[labels].tolist() == t.completion_ids
+        assert (tokens.label_slots[labels] % width).tolist() == list(range(len(t.completion_ids)))
+        positions = tokens.label_positions[labels]
+        # c[0] is predicted at the last prompt token, c[t] at the position holding c[t-1]
+        assert flat_inputs[positions[0]] == t.prompt_ids[-1]
+        assert flat_inputs[positions[1:]].tolist() == t.completion_ids[:-1]
+        assert batch.completion_mask[i].tolist() == [j < len(t.completion_ids) for j in range(width)]
+        torch.testing.assert_close(batch.rollout_logprobs[i, : len(t.completion_ids)], torch.tensor(t.rollout_logprobs))
+        assert torch.all(batch.rollout_logprobs[i][~batch.completion_mask[i]] == 0)
+    if packing == "padded":
+        assert tokens.attention is None and tokens.input_ids.shape[0] == 5
+        for i, t in enumerate(ordered):
+            row = t.prompt_ids + t.completion_ids[:-1]
+            assert tokens.input_ids[i, : len(row)].tolist() == row
+    else:  # prompt 10 appears once for its two samples
+        assert tokens.input_ids.shape[0] == 1
+        assert tokens.tokens_computed == sum(len(t.prompt_ids) for t in trajectories[:4]) + sum(len(t.completion_ids) - 1 for t in ordered)
+    torch.testing.assert_close(batch.advantages, torch.tensor([t.advantage for t in ordered]))
+    torch.testing.assert_close(batch.rewards, torch.tensor([t.reward for t in ordered]))
+    assert batch.truncated.tolist() == [t.truncated for t in ordered]
+    assert batch.prompt_ids == [t.prompt_id for t in ordered]
+    assert batch.sample_indices == [t.sample_index for t in ordered]
+    assert (batch.version, batch.sample_offset, batch.iteration_samples, batch.size) == (3, 8, 16, 5)
 
     mixed = copy.deepcopy(trajectories)
     mixed[1].version = 4
-    with pytest.raises(ValueError):
-        collate_padded(mixed, tok.pad_token_id, 0, 16)
+    with pytest.raises(ValueError, match="mixes policy versions"):
+        collate(mixed, tok.pad_token_id, 0, 16)
+    with pytest.raises(ValueError, match="rollout.packing"):
+        collate(trajectories, tok.pad_token_id, 0, 16, packing="bogus")
 
 
+@pytest.mark.parametrize("packing", ["padded", "shared_prompt"])
 @pytest.mark.parametrize("temperature", [1.0, 0.6])
-def test_sequence_logprobs_padding_invariant(model, tok, temperature):
+def test_module_completion_logprobs_match_plain_forward(model, tok, temperature, packing):
     trajectories = _trajectories(tok)
-    batch = collate_padded(trajectories, tok.pad_token_id, sample_offset=0, iteration_samples=4)
+    batch = collate(trajectories, tok.pad_token_id, sample_offset=0, iteration_samples=4, packing=packing)
     module = GRPOModule(model, GRPOObjective(), tokenizer=tok, temperature=temperature)
     with torch.no_grad():
-        logp = module.sequence_logprobs(model, batch)
-    assert logp.shape == batch.targets.shape
+        logp = module.completion_logprobs(model, batch)
+    assert logp.shape == batch.completion_mask.shape
     for i, t in enumerate(trajectories):
         expected = _reference_logprobs(model, t.prompt_ids, t.completion_ids, temperature)
-        torch.testing.assert_close(logp[i][batch.loss_mask[i]].double(), torch.tensor(expected, dtype=torch.float64), atol=1e-5, rtol=0)
+        torch.testing.assert_close(logp[i][batch.completion_mask[i]].double(), torch.tensor(expected, dtype=torch.float64), atol=1e-5, rtol=0)
 
 
 # ------------------------------------------------------------------------------------------------------

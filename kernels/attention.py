@@ -1,0 +1,219 @@
+"""Shared-prompt attention for any transformers model of the Llama/Qwen family, via ``AttentionInterface``.
+
+``shared_prompt_attention`` is registered under the name ``lit_parl_shared_prompt``. Inside
+``use_shared_prompt_attention(model)``, the model's attention layers call it with the packed layout,
+which is passed to the model's forward as the keyword ``shared_prompt``. Outside that context the
+model is untouched.
+
+A prompt token sees the earlier tokens of its prompt. A completion token sees its whole prompt and the
+earlier tokens of its own completion. The backends compute exactly this one function:
+
+- ``sdpa``: any device. Each completion's K/V are gathered as ``[prompt, completion]``, and SDPA runs
+  with a bottom-right causal boolean mask. Prompts and completions are padded in separate buckets, so
+  memory is O(Σ R·(P+R)), not O(L²). Forward and backward work on CPU; this is the CPU default.
+- ``flex``: ``torch.nn.attention.flex_attention`` with a ``BlockMask`` built from the segment ids. It
+  needs a GPU to train (there is no flex backward on CPU).
+- ``flash``: ``flash_attn_varlen_func`` over the varlen segments, with the same K/V index gather.
+  ``causal=True`` is bottom-right aligned. It needs CUDA and flash-attn.
+- ``npu``: ``torch_npu.npu_fusion_attention`` on the gathered buckets with an explicit mask (Ascend).
+- ``dense``: SDPA with the full ``[B, 1, L, L]`` mask. It is the reference for tests.
+
+Example::
+
+    >>> from lit_parl.kernels.packing import pack
+    >>> from lit_parl.model import tiny_qwen2
+    >>> model, _ = tiny_qwen2()
+    >>> batch = pack([([4, 5, 41], [[6, 1], [7, 8, 1]])], pad_id=0, shared_prompt=True)
+    >>> with use_shared_prompt_attention(model):
+    ...     hidden = model.model(input_ids=batch.input_ids, position_ids=batch.position_ids,
+    ...                          shared_prompt=batch.attention).last_hidden_state
+    >>> hidden.shape[:2]
+    torch.Size([1, 6])
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch
+import torch.nn.functional as F
+from transformers import AttentionInterface, PreTrainedModel
+
+from .packing import SharedPromptLayout, dense_allowed
+
+ATTENTION_NAME = "lit_parl_shared_prompt"
+BACKENDS = ("sdpa", "flex", "flash", "npu", "dense")
+
+
+def _flat(x: torch.Tensor) -> torch.Tensor:
+    """[B, H, L, D] -> [B*L, H, D]"""
+    return x.transpose(1, 2).reshape(-1, x.shape[1], x.shape[3])
+
+
+def _sdpa(query, key, value, layout: SharedPromptLayout, scaling: float) -> torch.Tensor:
+    q, k, v = _flat(query), _flat(key), _flat(value)
+    out = q.new_zeros(q.shape)
+    gqa = q.shape[1] != k.shape[1]
+    for bucket in layout.buckets:
+        qs = q[bucket.query_index].transpose(1, 2)  # [S, H, Qmax, D]
+        ks = k[bucket.key_index].transpose(1, 2)
+        vs = v[bucket.key_index].transpose(1, 2)
+        o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=bucket.allowed, scale=scaling, enable_gqa=gqa)
+        o = o.transpose(1, 2)  # [S, Qmax, H, D]
+        out[bucket.query_index[bucket.query_valid]] = o[bucket.query_valid]
+    return out
+
+
+def _npu(query, key, value, layout: SharedPromptLayout, scaling: float) -> torch.Tensor:
+    import torch_npu  # noqa: F401 - Ascend only
+
+    q, k, v = _flat(query), _flat(key), _flat(value)
+    groups = q.shape[1] // k.shape[1]
+    out = q.new_zeros(q.shape)
+    for bucket in layout.buckets:
+        qs = q[bucket.query_index].transpose(1, 2)
+        ks = k[bucket.key_index].transpose(1, 2).repeat_interleave(groups, dim=1)
+        vs = v[bucket.key_index].transpose(1, 2).repeat_interleave(groups, dim=1)
+        # npu_fusion_attention's atten_mask: True marks a position that does NOT take part
+        o = torch_npu.npu_fusion_attention(
+            qs, ks, vs, qs.shape[1], input_layout="BNSD", atten_mask=~bucket.allowed, scale=scaling, keep_prob=1.0
+        )[0]
+        o = o.transpose(1, 2)
+        out[bucket.query_index[bucket.query_valid]] = o[bucket.query_valid]
+    return out
+
+
+def _flash(query, key, value, layout: SharedPromptLayout, scaling: float) -> torch.Tensor:
+    from flash_attn import flash_attn_varlen_func
+
+    q, k, v = _flat(query), _flat(key), _flat(value)
+    o = flash_attn_varlen_func(
+        q[layout.query_index],
+        k[layout.key_index],
+        v[layout.key_index],
+        cu_seqlens_q=layout.cu_seqlens_q,
+        cu_seqlens_k=layout.cu_seqlens_k,
+        max_seqlen_q=layout.max_seqlen_q,
+        max_seqlen_k=layout.max_seqlen_k,
+        softmax_scale=scaling,
+        causal=True,  # bottom-right aligned when queries are the keys' last tokens (flash-attn >= 2.1)
+    )
+    out = q.new_zeros(q.shape)
+    out[layout.query_index] = o
+    return out
+
+
+def _dense(query, key, value, layout: SharedPromptLayout, scaling: float) -> torch.Tensor:
+    o = F.scaled_dot_product_attention(
+        query, key, value, attn_mask=dense_allowed(layout), scale=scaling, enable_gqa=query.shape[1] != key.shape[1]
+    )
+    return _flat(o)
+
+
+def flex_block_mask(layout: SharedPromptLayout, device):
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    seg, visible = layout.segment_ids.to(device), layout.visible_prompt.to(device)
+    B, L = seg.shape
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        return (kv_idx <= q_idx) & ((seg[b, kv_idx] == seg[b, q_idx]) | (seg[b, kv_idx] == visible[b, q_idx]))
+
+    return create_block_mask(mask_mod, B, None, L, L, device=device)
+
+
+_compiled_flex = None
+
+
+def _flex(query, key, value, layout: SharedPromptLayout, scaling: float) -> torch.Tensor:
+    global _compiled_flex
+    from torch.nn.attention.flex_attention import flex_attention
+
+    if _compiled_flex is None:
+        _compiled_flex = torch.compile(flex_attention, dynamic=True) if query.is_cuda else flex_attention
+    block_mask = getattr(layout, "_block_mask", None)
+    if block_mask is None:  # built once per micro-batch, shared by all layers
+        block_mask = flex_block_mask(layout, query.device)
+        layout._block_mask = block_mask
+    o = _compiled_flex(query, key, value, block_mask=block_mask, scale=scaling, enable_gqa=query.shape[1] != key.shape[1])
+    return _flat(o)
+
+
+_KERNELS = {"sdpa": _sdpa, "flex": _flex, "flash": _flash, "npu": _npu, "dense": _dense}
+
+
+def shared_prompt_attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    shared_prompt: SharedPromptLayout | None = None,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
+    """The ``AttentionInterface`` function: ``query`` ``[B, H, L, D]``, ``key``/``value`` ``[B, Hkv, L, D]``
+    (after RoPE) → ``[B, L, H, D]``."""
+    if shared_prompt is None:
+        raise RuntimeError(
+            f"attention '{ATTENTION_NAME}' was called without a `shared_prompt` layout: pass the packed batch's "
+            "layout to the model's forward (lit_parl.kernels.packed_hidden_states does this)"
+        )
+    if dropout:
+        raise ValueError("shared-prompt attention does not implement attention dropout; set attention_dropout=0")
+    B, H, L, D = query.shape
+    scale = scaling if scaling is not None else D**-0.5
+    out = _KERNELS[shared_prompt.backend](query, key, value, shared_prompt, scale)
+    return out.view(B, L, H, D), None
+
+
+AttentionInterface.register(ATTENTION_NAME, shared_prompt_attention)
+
+
+def available_backends(device: torch.device | str) -> list[str]:
+    """Backends that can run forward and backward on ``device``."""
+    device = torch.device(device)
+    names = ["sdpa", "dense"]
+    if device.type == "cuda":
+        names.append("flex")
+        if importlib.util.find_spec("flash_attn") is not None:
+            names.append("flash")
+    if device.type == "npu" and importlib.util.find_spec("torch_npu") is not None:
+        names.append("npu")
+    return names
+
+
+def resolve_backend(requested: str, device: torch.device | str) -> str:
+    """``auto`` picks flash (CUDA with flash-attn), flex (CUDA), npu (Ascend), else sdpa; an explicit name
+    that cannot run on ``device`` is an error that says why."""
+    device = torch.device(device)
+    available = available_backends(device)
+    if requested == "auto":
+        for name in ("flash", "flex", "npu", "sdpa"):
+            if name in available:
+                return name
+    if requested not in BACKENDS:
+        raise ValueError(f"attention backend {requested!r} is unknown; choose auto or one of {BACKENDS}")
+    if requested not in available:
+        needs = {
+            "flex": "a CUDA device (flex_attention has no backward on CPU)",
+            "flash": "a CUDA device and the flash-attn package (pip install 'lit-parl[flash-attn]')",
+            "npu": "an Ascend NPU and torch_npu (pip install 'lit-parl[torch-npu]')",
+        }[requested]
+        raise RuntimeError(f"attention backend {requested!r} cannot run on {device.type}: it needs {needs}. Available here: {available}")
+    return requested
+
+
+@contextmanager
+def use_shared_prompt_attention(model: PreTrainedModel) -> Iterator[None]:
+    """Route the model's attention through ``shared_prompt_attention`` for the duration of the block."""
+    config = model.config
+    previous = config._attn_implementation
+    config._attn_implementation = ATTENTION_NAME
+    try:
+        yield
+    finally:
+        config._attn_implementation = previous
