@@ -52,7 +52,7 @@ def _flat(x: torch.Tensor) -> torch.Tensor:
     return x.transpose(1, 2).reshape(-1, x.shape[1], x.shape[3])
 
 
-def _sdpa(query, key, value, layout: SharedPromptLayout, scaling: float) -> torch.Tensor:
+def _sdpa(query, key, value, layout: SharedPromptLayout, scaling: float, window: int | None) -> torch.Tensor:
     q, k, v = _flat(query), _flat(key), _flat(value)
     out = q.new_zeros(q.shape)
     gqa = q.shape[1] != k.shape[1]
@@ -60,13 +60,14 @@ def _sdpa(query, key, value, layout: SharedPromptLayout, scaling: float) -> torc
         qs = q[bucket.query_index].transpose(1, 2)  # [S, H, Qmax, D]
         ks = k[bucket.key_index].transpose(1, 2)
         vs = v[bucket.key_index].transpose(1, 2)
-        o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=bucket.allowed, scale=scaling, enable_gqa=gqa)
+        mask = bucket.allowed if window is None else bucket.windowed(window)
+        o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, scale=scaling, enable_gqa=gqa)
         o = o.transpose(1, 2)  # [S, Qmax, H, D]
         out[bucket.query_index[bucket.query_valid]] = o[bucket.query_valid]
     return out
 
 
-def _npu(query, key, value, layout: SharedPromptLayout, scaling: float) -> torch.Tensor:
+def _npu(query, key, value, layout: SharedPromptLayout, scaling: float, window: int | None) -> torch.Tensor:
     import torch_npu  # noqa: F401 - Ascend only
 
     q, k, v = _flat(query), _flat(key), _flat(value)
@@ -76,19 +77,19 @@ def _npu(query, key, value, layout: SharedPromptLayout, scaling: float) -> torch
         qs = q[bucket.query_index].transpose(1, 2)
         ks = k[bucket.key_index].transpose(1, 2).repeat_interleave(groups, dim=1)
         vs = v[bucket.key_index].transpose(1, 2).repeat_interleave(groups, dim=1)
+        mask = bucket.allowed if window is None else bucket.windowed(window)
         # npu_fusion_attention's atten_mask: True marks a position that does NOT take part
-        o = torch_npu.npu_fusion_attention(
-            qs, ks, vs, qs.shape[1], input_layout="BNSD", atten_mask=~bucket.allowed, scale=scaling, keep_prob=1.0
-        )[0]
+        o = torch_npu.npu_fusion_attention(qs, ks, vs, qs.shape[1], input_layout="BNSD", atten_mask=~mask, scale=scaling, keep_prob=1.0)[0]
         o = o.transpose(1, 2)
         out[bucket.query_index[bucket.query_valid]] = o[bucket.query_valid]
     return out
 
 
-def _flash(query, key, value, layout: SharedPromptLayout, scaling: float) -> torch.Tensor:
+def _flash(query, key, value, layout: SharedPromptLayout, scaling: float, window: int | None) -> torch.Tensor:
     from flash_attn import flash_attn_varlen_func
 
     q, k, v = _flat(query), _flat(key), _flat(value)
+    windowed = {} if window is None else {"window_size": (window - 1, 0)}  # keys at distance < window
     o = flash_attn_varlen_func(
         q[layout.query_index],
         k[layout.key_index],
@@ -99,45 +100,49 @@ def _flash(query, key, value, layout: SharedPromptLayout, scaling: float) -> tor
         max_seqlen_k=layout.max_seqlen_k,
         softmax_scale=scaling,
         causal=True,  # bottom-right aligned when queries are the keys' last tokens (flash-attn >= 2.1)
+        **windowed,
     )
     out = q.new_zeros(q.shape)
     out[layout.query_index] = o
     return out
 
 
-def _dense(query, key, value, layout: SharedPromptLayout, scaling: float) -> torch.Tensor:
+def _dense(query, key, value, layout: SharedPromptLayout, scaling: float, window: int | None) -> torch.Tensor:
     o = F.scaled_dot_product_attention(
-        query, key, value, attn_mask=dense_allowed(layout), scale=scaling, enable_gqa=query.shape[1] != key.shape[1]
+        query, key, value, attn_mask=dense_allowed(layout, window), scale=scaling, enable_gqa=query.shape[1] != key.shape[1]
     )
     return _flat(o)
 
 
-def flex_block_mask(layout: SharedPromptLayout, device):
+def flex_block_mask(layout: SharedPromptLayout, device, window: int | None = None):
     from torch.nn.attention.flex_attention import create_block_mask
 
-    seg, visible = layout.segment_ids.to(device), layout.visible_prompt.to(device)
+    seg, visible, pos = layout.segment_ids.to(device), layout.visible_prompt.to(device), layout.positions.to(device)
     B, L = seg.shape
 
     def mask_mod(b, h, q_idx, kv_idx):
-        return (kv_idx <= q_idx) & ((seg[b, kv_idx] == seg[b, q_idx]) | (seg[b, kv_idx] == visible[b, q_idx]))
+        allowed = (kv_idx <= q_idx) & ((seg[b, kv_idx] == seg[b, q_idx]) | (seg[b, kv_idx] == visible[b, q_idx]))
+        if window is not None:
+            allowed = allowed & ((pos[b, q_idx] - pos[b, kv_idx] < window) | (seg[b, q_idx] < 0))
+        return allowed
 
     return create_block_mask(mask_mod, B, None, L, L, device=device)
 
 
-_compiled_flex = None
+_flex_by_device: dict[str, object] = {}
 
 
-def _flex(query, key, value, layout: SharedPromptLayout, scaling: float) -> torch.Tensor:
-    global _compiled_flex
+def _flex(query, key, value, layout: SharedPromptLayout, scaling: float, window: int | None) -> torch.Tensor:
     from torch.nn.attention.flex_attention import flex_attention
 
-    if _compiled_flex is None:
-        _compiled_flex = torch.compile(flex_attention, dynamic=True) if query.is_cuda else flex_attention
-    block_mask = getattr(layout, "_block_mask", None)
-    if block_mask is None:  # built once per micro-batch, shared by all layers
-        block_mask = flex_block_mask(layout, query.device)
-        layout._block_mask = block_mask
-    o = _compiled_flex(query, key, value, block_mask=block_mask, scale=scaling, enable_gqa=query.shape[1] != key.shape[1])
+    if query.device.type not in _flex_by_device:  # compiled on GPU; eager elsewhere (tests)
+        _flex_by_device[query.device.type] = torch.compile(flex_attention, dynamic=True) if query.is_cuda else flex_attention
+    masks = layout.__dict__.setdefault("_block_masks", {})  # built once per micro-batch, shared by all layers
+    if window not in masks:
+        masks[window] = flex_block_mask(layout, query.device, window)
+    o = _flex_by_device[query.device.type](
+        query, key, value, block_mask=masks[window], scale=scaling, enable_gqa=query.shape[1] != key.shape[1]
+    )
     return _flat(o)
 
 
@@ -152,6 +157,7 @@ def shared_prompt_attention(
     attention_mask: torch.Tensor | None,
     scaling: float | None = None,
     dropout: float = 0.0,
+    sliding_window: int | None = None,
     shared_prompt: SharedPromptLayout | None = None,
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
@@ -164,9 +170,14 @@ def shared_prompt_attention(
         )
     if dropout:
         raise ValueError("shared-prompt attention does not implement attention dropout; set attention_dropout=0")
+    unsupported = sorted(name for name in ("softcap", "s_aux", "position_bias") if kwargs.get(name) is not None)
+    if unsupported:
+        raise ValueError(f"shared-prompt attention does not implement {unsupported} (Llama/Qwen/Mistral families only)")
     B, H, L, D = query.shape
     scale = scaling if scaling is not None else D**-0.5
-    out = _KERNELS[shared_prompt.backend](query, key, value, shared_prompt, scale)
+    # a window no shorter than the longest segment's keys changes nothing: skip the extra mask
+    window = sliding_window if sliding_window is not None and sliding_window < shared_prompt.max_seqlen_k else None
+    out = _KERNELS[shared_prompt.backend](query, key, value, shared_prompt, scale, window)
     return out.view(B, L, H, D), None
 
 

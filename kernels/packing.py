@@ -46,6 +46,18 @@ class SegmentBucket:
     key_index: torch.Tensor  # [S, Kmax] long
     allowed: torch.Tensor  # [S, 1, Qmax, Kmax] bool
     query_valid: torch.Tensor  # [S, Qmax] bool
+    key_offset: torch.Tensor  # [S] k_len - q_len: query i is key i + key_offset (also its position in the segment's keys)
+
+    def windowed(self, window: int) -> torch.Tensor:
+        """``allowed`` restricted to a sliding window: query i sees key j only if (i + key_offset) - j < window.
+
+        Key positions are contiguous within a segment (a completion's start right after its prompt's),
+        so index distance is position distance."""
+        i = torch.arange(self.allowed.shape[2], device=self.allowed.device)[None, None, :, None]
+        j = torch.arange(self.allowed.shape[3], device=self.allowed.device)[None, None, None, :]
+        mask = self.allowed & (j > i + self.key_offset[:, None, None, None] - window)
+        mask[:, 0, :, 0] |= ~self.query_valid  # padded query slots still see key 0
+        return mask
 
 
 @dataclass
@@ -57,6 +69,7 @@ class SharedPromptLayout:
     """
 
     segment_ids: torch.Tensor  # [B, L] segment of each token, -1 for padding
+    positions: torch.Tensor  # [B, L] position ids (for sliding windows)
     visible_prompt: torch.Tensor  # [B, L] the prompt segment a token sees besides its own (itself for a prompt), -1 pad
     # varlen form (flash): segment s's queries are query_index[cu_q[s]:cu_q[s+1]], its keys key_index[cu_k[s]:cu_k[s+1]]
     query_index: torch.Tensor  # [Tq] long, every non-pad token exactly once
@@ -101,7 +114,7 @@ def _bucket(segments: list[tuple[list[int], list[int]]]) -> SegmentBucket:
     allowed = (j < k_len[:, None, None]) & (j <= i + (k_len - q_len)[:, None, None])
     allowed = allowed & query_valid[:, :, None]
     allowed[:, :, 0] |= ~query_valid  # padded query slots see key 0 only
-    return SegmentBucket(query_index, key_index, allowed[:, None], query_valid)
+    return SegmentBucket(query_index, key_index, allowed[:, None], query_valid, k_len - q_len)
 
 
 def pack(
@@ -115,6 +128,8 @@ def pack(
     completions = [c for _, cs in groups for c in cs]
     if any(len(c) == 0 for c in completions):
         raise ValueError("every completion needs at least one token")
+    if any(len(p) == 0 for p, _ in groups):
+        raise ValueError("every prompt needs at least one token (a completion's first token is read at the prompt's last position)")
     width = max(len(c) for c in completions)
     if shared_prompt:
         units = [[(prompt, cs)] for prompt, cs in groups]  # a unit is what shares one prompt
@@ -202,6 +217,7 @@ def pack(
         buckets.append(_bucket(completion_segments))
     attention = SharedPromptLayout(
         segment_ids=segment_ids,
+        positions=position_ids,
         visible_prompt=visible_prompt,
         query_index=query_index,
         key_index=key_index,
@@ -214,14 +230,19 @@ def pack(
     return PackedTokens(input_ids=input_ids, position_ids=position_ids, attention=attention, **labels)
 
 
-def dense_allowed(layout: SharedPromptLayout) -> torch.Tensor:
+def dense_allowed(layout: SharedPromptLayout, window: int | None = None) -> torch.Tensor:
     """The full ``[B, 1, L, L]`` boolean mask of the layout (the test reference; O(L²) memory).
 
-    A pad token sees the earlier pads of its row, itself included, so no softmax row is empty.
+    A pad token sees the earlier pads of its row, itself included, so no softmax row is empty. With a
+    sliding ``window``, a real token sees a key only if their positions differ by less than ``window``.
     """
     seg, visible = layout.segment_ids, layout.visible_prompt
     L = seg.shape[1]
     causal = torch.ones((L, L), dtype=torch.bool, device=seg.device).tril()
     same = seg[:, :, None] == seg[:, None, :]
     sees_prompt = visible[:, :, None] == seg[:, None, :]
-    return (causal & (same | sees_prompt))[:, None]
+    allowed = causal & (same | sees_prompt)
+    if window is not None:
+        near = (layout.positions[:, :, None] - layout.positions[:, None, :]) < window
+        allowed = allowed & (near | (seg[:, :, None] < 0))  # pads keep their causal pad block
+    return allowed[:, None]

@@ -1,0 +1,18 @@
+#!/usr/bin/env bash
+# The one script for the lent GPU machine (must finish in under 8 minutes; results in $OUT).
+# The device has no internet: carry .whl (see the device tool's README) if a package is missing there.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT="${OUT:-gpu_check_out}"
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1
+PY="${PYTHON:-python3}"
+if [ -d .whl ]; then
+  "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl && export PYTHONPATH="/tmp/site:$PWD"
+else
+  export PYTHONPATH="$PWD/.gpu_src:${PYTHONPATH:-}"
+  # lit_parl's layout maps callbacks/ kernels/ conf/ into the package: mirror that without installing
+  mkdir -p .gpu_src && rm -rf .gpu_src/lit_parl && cp -r lit_parl .gpu_src/ && cp -r callbacks kernels conf .gpu_src/lit_parl/
+fi
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv 2>&1 | tee "$OUT/nvidia_smi.txt"
+timeout 420 "$PY" benchmarks/gpu_check.py --out "$OUT" 2>&1 | tee "$OUT/gpu_check.log"

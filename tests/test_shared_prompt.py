@@ -1,0 +1,734 @@
+"""Shared-prompt packing and attention (DESIGN.md §3), checked against INDEPENDENT references.
+
+- The layout (positions, labels, masks, varlen/bucket indices) is compared with one rebuilt here by brute
+  force from the rule: a prompt token sees the earlier tokens of its own prompt; a completion token sees
+  its whole prompt and the earlier tokens of its own completion; nothing crosses groups.
+- Packed log-probs (and their gradients) are compared with each completion run unpacked, with its own
+  copy of the prompt, through the plain Hugging Face model: ``log_softmax(model([p + c]).logits / T)``
+  gathered at the completion's tokens.
+- ``linear_token_logprobs`` is compared with the naive ``log_softmax((h @ W.T + b) / T)`` gather.
+- Backends that cannot run here (flash, npu) are driven through fake modules that implement the
+  documented semantics of the real kernels with plain SDPA.
+"""
+
+from __future__ import annotations
+
+import functools
+import random
+import sys
+import types
+
+import pytest
+import torch
+import torch.nn.functional as F
+from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
+
+from lit_parl.kernels import attention as attention_module
+from lit_parl.kernels.attention import (
+    ATTENTION_NAME,
+    BACKENDS,
+    flex_block_mask,
+    resolve_backend,
+    shared_prompt_attention,
+    use_shared_prompt_attention,
+)
+from lit_parl.kernels.forward import completion_logprobs
+from lit_parl.kernels.logprobs import linear_token_logprobs
+from lit_parl.kernels.packing import dense_allowed, pack
+
+VOCAB = 53
+PAD = 0
+RTOL = 1e-5
+ATOL = 1e-6
+SCALE = 0.3  # not head_dim**-0.5: the kernels must use the scaling they are given
+
+FAMILIES = {"qwen2": Qwen2Config, "llama": LlamaConfig, "qwen3": Qwen3Config, "mistral": MistralConfig}
+
+
+# ------------------------------------------------------------------------------------------------------
+# tiny models and scenarios
+# ------------------------------------------------------------------------------------------------------
+@functools.cache
+def tiny_model(family: str, gqa: bool, seed: int = 0, sliding_window: int | None = None, tied: bool = False):
+    """A random 2-layer model. initializer_range 0.2 (not HF's 0.02) makes attention and logits far from
+    uniform, so a wrong mask or position changes the log-probs well beyond the tolerance."""
+    kwargs = dict(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2 if gqa else 4,
+        head_dim=16,
+        max_position_embeddings=256,
+        initializer_range=0.2,
+        tie_word_embeddings=tied,
+        pad_token_id=PAD,
+        bos_token_id=None,
+        eos_token_id=None,
+        attention_dropout=0.0,
+    )
+    if sliding_window is not None:
+        kwargs["sliding_window"] = sliding_window
+    config = FAMILIES[family](**kwargs)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="sdpa")
+    return model.eval()
+
+
+def random_group(rng: random.Random, prompt_len: int, group_size: int, max_len: int = 6):
+    prompt = [rng.randrange(1, VOCAB) for _ in range(prompt_len)]
+    lengths = [1] + [rng.randint(1, max_len) for _ in range(group_size - 1)]  # always one 1-token completion
+    rng.shuffle(lengths)
+    return prompt, [[rng.randrange(1, VOCAB) for _ in range(n)] for n in lengths]
+
+
+@functools.cache
+def scenario(name: str):
+    """(groups, max_row_tokens), cached: take fresh copies through ``groups_of``."""
+    rng = random.Random({"multi": 1, "rows": 2, "edge": 3}[name])
+    if name == "multi":  # several groups, prompt lengths 1/5/17, group sizes 2/4/8, one row
+        groups = [random_group(rng, 1, 2), random_group(rng, 5, 4), random_group(rng, 17, 8)]
+        return groups, None
+    if name == "rows":  # several rows with padding; group 2 is split over two places of the micro-batch
+        g0, g1, g2, g3 = random_group(rng, 5, 2), random_group(rng, 1, 4), random_group(rng, 17, 8), random_group(rng, 3, 3)
+        part_a = (g2[0], g2[1][:3])
+        part_b = (g2[0], g2[1][3:])
+        return [g0, part_a, g1, g3, part_b], 24
+    if name == "edge":  # only 1-token completions in a group (no completion segment at all); P = 1
+        return [([7], [[3]]), ([4, 9, 11, 2, 5], [[1], [2], [8]]), ([6], [[5, 6], [9]])], None
+    raise KeyError(name)
+
+
+SCENARIOS = ("multi", "rows", "edge")
+
+
+def groups_of(name):
+    groups, max_row = scenario(name)
+    return [(list(p), [list(c) for c in cs]) for p, cs in groups], max_row
+
+
+def reference_logprobs(model, groups, temperature: float) -> torch.Tensor:
+    """Each completion unpacked, with its own prompt copy, through the plain HF model; differentiable."""
+    completions = [(p, c) for p, cs in groups for c in cs]
+    width = max(len(c) for _, c in completions)
+    rows = []
+    for prompt, completion in completions:
+        P, R = len(prompt), len(completion)
+        logits = model(input_ids=torch.tensor([prompt + completion]), use_cache=False).logits[0]
+        logp = torch.log_softmax(logits[P - 1 : P + R - 1].float() / temperature, dim=-1)
+        row = logp.gather(-1, torch.tensor(completion)[:, None])[:, 0]
+        rows.append(F.pad(row, (0, width - R)))
+    return torch.stack(rows)
+
+
+@functools.cache
+def cached_reference(family, gqa, seed, name, temperature):
+    groups, _ = groups_of(name)
+    with torch.no_grad():
+        return reference_logprobs(tiny_model(family, gqa, seed), groups, temperature)
+
+
+def packed_logprobs(model, groups, temperature, backend="sdpa", shared_prompt=True, max_row_tokens=None, chunk_size=1024):
+    packed = pack(groups, PAD, shared_prompt=shared_prompt, max_row_tokens=max_row_tokens)
+    if packed.attention is not None:
+        packed.attention.backend = backend
+    return completion_logprobs(model, packed, temperature, chunk_size=chunk_size), packed
+
+
+# ------------------------------------------------------------------------------------------------------
+# brute-force layout
+# ------------------------------------------------------------------------------------------------------
+def brute_force_layout(groups, max_row_tokens):
+    """Rebuild the shared-prompt layout from the rule. Rows are filled greedily in group order, a group
+    never split over rows. Returns per-row token records (group, completion or -1, offset, token, position),
+    the row length and the [B, L, L] mask for real query tokens."""
+    sizes = [len(p) + sum(len(c) - 1 for c in cs) for p, cs in groups]
+    rows, row_len = [[]], 0
+    for g, size in enumerate(sizes):
+        if rows[-1] and max_row_tokens is not None and row_len + size > max_row_tokens:
+            rows.append([])
+            row_len = 0
+        rows[-1].append(g)
+        row_len += size
+    L = max(sum(sizes[g] for g in row) for row in rows)
+    records = []
+    for row in rows:
+        tokens = []
+        for g in row:
+            prompt, cs = groups[g]
+            tokens += [(g, -1, t, tok, t) for t, tok in enumerate(prompt)]
+            for i, c in enumerate(cs):
+                tokens += [(g, i, t, tok, len(prompt) + t) for t, tok in enumerate(c[:-1])]
+        records.append(tokens)
+    mask = torch.zeros((len(rows), L, L), dtype=torch.bool)
+    for b, tokens in enumerate(records):
+        for q, (gq, iq, tq, _, _) in enumerate(tokens):
+            for k, (gk, ik, tk, _, _) in enumerate(tokens):
+                if gq != gk:
+                    continue
+                if iq == -1:
+                    mask[b, q, k] = ik == -1 and tk <= tq
+                else:
+                    mask[b, q, k] = ik == -1 or (ik == iq and tk <= tq)
+    return records, L, mask
+
+
+def block_diagonal(mask: torch.Tensor) -> torch.Tensor:
+    """[B, L, L] -> [B*L, B*L] over flat token indices."""
+    B, L, _ = mask.shape
+    full = torch.zeros((B * L, B * L), dtype=torch.bool)
+    for b in range(B):
+        full[b * L : (b + 1) * L, b * L : (b + 1) * L] = mask[b]
+    return full
+
+
+# ------------------------------------------------------------------------------------------------------
+# 1. layout invariants
+# ------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("name", SCENARIOS)
+def test_shared_prompt_layout_matches_brute_force(name):
+    groups, max_row = groups_of(name)
+    packed = pack(groups, PAD, shared_prompt=True, max_row_tokens=max_row)
+    layout = packed.attention
+    records, L, mask = brute_force_layout(groups, max_row)
+    B = len(records)
+    assert packed.input_ids.shape == (B, L)
+
+    # tokens, positions, padding
+    flat_of = {}
+    for b, tokens in enumerate(records):
+        n = len(tokens)
+        assert packed.input_ids[b, :n].tolist() == [tok for *_, tok, _ in tokens]
+        assert packed.position_ids[b, :n].tolist() == [pos for *_, pos in tokens]
+        assert (packed.input_ids[b, n:] == PAD).all()
+        assert (layout.segment_ids[b, :n] >= 0).all() and (layout.segment_ids[b, n:] == -1).all()
+        for j, (g, i, t, _, _) in enumerate(tokens):
+            flat_of[(g, i, t)] = b * L + j
+    real = (layout.segment_ids.flatten() >= 0).nonzero()[:, 0]
+    assert packed.tokens_computed == sum(len(p) + sum(len(c) - 1 for c in cs) for p, cs in groups) == len(real)
+
+    # labels: completions' tokens in sample order; c_i[0] read at the prompt's last position
+    completions = [(g, i, p, c) for g, (p, cs) in enumerate(groups) for i, c in enumerate(cs)]
+    width = max(len(c) for *_, c in completions)
+    exp_pos, exp_tgt, exp_slot = [], [], []
+    for s, (g, i, p, c) in enumerate(completions):
+        exp_pos += [flat_of[(g, -1, len(p) - 1)]] + [flat_of[(g, i, t)] for t in range(len(c) - 1)]
+        exp_tgt += c
+        exp_slot += [s * width + t for t in range(len(c))]
+    assert packed.label_targets.tolist() == exp_tgt
+    assert packed.label_positions.tolist() == exp_pos
+    assert packed.label_slots.tolist() == exp_slot
+    assert packed.completion_mask.tolist() == [[t < len(c) for t in range(width)] for *_, c in completions]
+    # a 1-token completion has no input token but exactly one label (at the prompt's last position)
+    for s, (g, i, p, c) in enumerate(completions):
+        if len(c) == 1:
+            assert (g, i, 0) not in flat_of
+            assert packed.completion_mask[s].sum() == 1
+
+    # dense mask == brute force on every real query; no real query sees a pad; no empty softmax row
+    dense = dense_allowed(layout)[:, 0]
+    real_q = layout.segment_ids >= 0
+    assert torch.equal(dense[real_q], mask[real_q])
+    assert dense.any(-1).all()
+
+    flat_dense = block_diagonal(dense)
+    # varlen form: every real token exactly once as a query; segments are bottom-right causal
+    assert sorted(layout.query_index.tolist()) == real.tolist()
+    cu_q, cu_k = layout.cu_seqlens_q, layout.cu_seqlens_k
+    assert cu_q.dtype == torch.int32 and cu_k.dtype == torch.int32
+    assert cu_q[0] == 0 and cu_k[0] == 0 and len(cu_q) == len(cu_k)
+    assert cu_q[-1] == len(layout.query_index) and cu_k[-1] == len(layout.key_index)
+    q_lens, k_lens = cu_q.diff(), cu_k.diff()
+    assert (q_lens >= 1).all() and (k_lens >= q_lens).all()
+    assert layout.max_seqlen_q == int(q_lens.max()) and layout.max_seqlen_k == int(k_lens.max())
+    varlen = torch.zeros_like(flat_dense)
+    for s in range(len(cu_q) - 1):
+        qs = layout.query_index[cu_q[s] : cu_q[s + 1]]
+        ks = layout.key_index[cu_k[s] : cu_k[s + 1]]
+        assert torch.equal(ks[len(ks) - len(qs) :], qs)  # the queries are the keys' last tokens
+        i, j = torch.arange(len(qs))[:, None], torch.arange(len(ks))[None, :]
+        varlen[qs[:, None], ks[None, :]] = j <= i + len(ks) - len(qs)
+    assert torch.equal(varlen[real], flat_dense[real])
+
+    # buckets: each real token a valid query exactly once; allowed keys map exactly onto the dense mask
+    counts = torch.zeros(flat_dense.shape, dtype=torch.long)
+    seen = torch.zeros(B * L, dtype=torch.long)
+    for bucket in layout.buckets:
+        S, Q = bucket.query_index.shape
+        K = bucket.key_index.shape[1]
+        assert bucket.allowed.shape == (S, 1, Q, K)
+        assert bucket.allowed[:, 0].any(-1).all()  # padded query slots too: no NaN
+        seen.index_add_(0, bucket.query_index[bucket.query_valid], torch.ones_like(bucket.query_index[bucket.query_valid]))
+        sel = bucket.allowed[:, 0] & bucket.query_valid[:, :, None]
+        qi = bucket.query_index[:, :, None].expand(S, Q, K)[sel]
+        ki = bucket.key_index[:, None, :].expand(S, Q, K)[sel]
+        counts.index_put_((qi, ki), torch.ones_like(qi), accumulate=True)
+    assert torch.equal(seen[real], torch.ones_like(real)) and seen.sum() == len(real)
+    assert torch.equal(counts[real], flat_dense[real].long())
+
+
+def test_pack_docstring_example_and_row_splitting():
+    batch = pack([([7, 8, 9], [[1, 2], [3]])], pad_id=0, shared_prompt=True)
+    assert batch.input_ids.tolist() == [[7, 8, 9, 1]] and batch.position_ids.tolist() == [[0, 1, 2, 3]]
+    assert batch.label_positions.tolist() == [2, 3, 2] and batch.label_targets.tolist() == [1, 2, 3]
+
+    groups, max_row = groups_of("rows")
+    packed = pack(groups, PAD, shared_prompt=True, max_row_tokens=max_row)
+    sizes = [len(p) + sum(len(c) - 1 for c in cs) for p, cs in groups]
+    assert packed.input_ids.shape[0] >= 3
+    assert (packed.attention.segment_ids == -1).any()  # some row is padded
+    per_row = (packed.attention.segment_ids >= 0).sum(1)
+    assert all(n <= max(max_row, max(sizes)) for n in per_row.tolist())
+    # without max_row_tokens: one row, no padding
+    one = pack(groups, PAD, shared_prompt=True)
+    assert one.input_ids.shape == (1, sum(sizes)) and (one.attention.segment_ids >= 0).all()
+
+
+def test_padded_layout_one_row_per_completion():
+    groups, _ = groups_of("multi")
+    packed = pack(groups, PAD, shared_prompt=False, max_row_tokens=10)
+    completions = [(p, c) for p, cs in groups for c in cs]
+    L = max(len(p) + len(c) - 1 for p, c in completions)
+    assert packed.attention is None and packed.position_ids is None
+    assert packed.input_ids.shape == (len(completions), L)
+    width = max(len(c) for _, c in completions)
+    pos, tgt, slot = [], [], []
+    for s, (p, c) in enumerate(completions):
+        row = p + c[:-1]
+        assert packed.input_ids[s].tolist() == row + [PAD] * (L - len(row))
+        pos += [s * L + len(p) - 1 + t for t in range(len(c))]
+        tgt += c
+        slot += [s * width + t for t in range(len(c))]
+    assert packed.label_positions.tolist() == pos
+    assert packed.label_targets.tolist() == tgt
+    assert packed.label_slots.tolist() == slot
+    assert packed.tokens_computed == sum(len(p) + len(c) - 1 for p, c in completions)
+
+
+def test_pack_rejects_empty_completion():
+    with pytest.raises(ValueError):
+        pack([([1, 2], [[3], []])], PAD, shared_prompt=True)
+
+
+@pytest.mark.parametrize("shared", [True, False], ids=["shared", "padded"])
+def test_pack_rejects_empty_prompt(shared):
+    """c_i[0] is read at the prompt's last position: an empty prompt has none, and must be refused clearly
+    (like an empty completion), not fail with an IndexError from inside the packer."""
+    with pytest.raises(ValueError, match="prompt"):
+        pack([([5], [[3]]), ([], [[1, 2]])], PAD, shared_prompt=shared)
+
+
+# ------------------------------------------------------------------------------------------------------
+# 2. packed log-probs == unpacked HF reference
+# ------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("name", SCENARIOS)
+@pytest.mark.parametrize("backend", ["sdpa", "dense"])
+@pytest.mark.parametrize("gqa", [True, False], ids=["gqa", "mha"])
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_packed_logprobs_equal_unpacked_reference(family, gqa, backend, name):
+    model = tiny_model(family, gqa)
+    groups, max_row = groups_of(name)
+    for temperature in (1.0, 0.7):
+        with torch.no_grad():
+            got, packed = packed_logprobs(model, groups, temperature, backend, max_row_tokens=max_row)
+        expected = cached_reference(family, gqa, 0, name, temperature)
+        assert got.shape == packed.completion_mask.shape == expected.shape
+        torch.testing.assert_close(got, expected, rtol=RTOL, atol=ATOL)
+        assert (got[~packed.completion_mask] == 0).all()
+    assert model.config._attn_implementation == "sdpa"
+
+
+@pytest.mark.parametrize("gqa", [True, False], ids=["gqa", "mha"])
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_padded_rows_equal_unpacked_reference(family, gqa):
+    model = tiny_model(family, gqa)
+    groups, _ = groups_of("rows")
+    with torch.no_grad():
+        got, packed = packed_logprobs(model, groups, 0.7, shared_prompt=False)
+    assert packed.attention is None
+    torch.testing.assert_close(got, cached_reference(family, gqa, 0, "rows", 0.7), rtol=RTOL, atol=ATOL)
+
+
+def test_reference_is_sensitive_to_the_mask():
+    """Power check: plain causal attention over the packed row (completions seeing each other) must miss
+    the reference by far more than the tolerance, or the equality tests above would prove little."""
+    model = tiny_model("qwen2", True)
+    groups, _ = groups_of("multi")
+    packed = pack(groups, PAD, shared_prompt=True)
+    with torch.no_grad():
+        hidden = model.model(input_ids=packed.input_ids, position_ids=packed.position_ids).last_hidden_state
+        logits = model.lm_head(hidden.reshape(-1, hidden.shape[-1])[packed.label_positions])
+        wrong = torch.log_softmax(logits, -1).gather(-1, packed.label_targets[:, None])[:, 0]
+    expected = cached_reference("qwen2", True, 0, "multi", 1.0)[packed.completion_mask]
+    assert (wrong - expected).abs().max() > 1e-2
+
+
+# ------------------------------------------------------------------------------------------------------
+# 3. gradients
+# ------------------------------------------------------------------------------------------------------
+def assert_grads_close(got, expected, names):
+    for name, g, e in zip(names, got, expected):
+        scale = float(e.abs().max())
+        torch.testing.assert_close(g, e, rtol=RTOL, atol=max(1e-5 * scale, 1e-8), msg=lambda m, n=name: f"{n}: {m}")
+
+
+@pytest.mark.parametrize(
+    "family, backend, tied",
+    [("qwen2", "sdpa", False), ("qwen2", "dense", False), ("llama", "sdpa", False), ("llama", "dense", False), ("qwen2", "sdpa", True)],
+    ids=["qwen2-sdpa", "qwen2-dense", "llama-sdpa", "llama-dense", "qwen2-sdpa-tied"],
+)
+def test_packed_gradients_equal_unpacked_reference(family, backend, tied):
+    model = tiny_model(family, True, tied=tied)
+    names, params = zip(*model.named_parameters())
+    groups, max_row = groups_of("rows")
+    temperature = 0.7
+    # chunk_size 5: the LM-head kernel's backward runs over several chunks
+    got, packed = packed_logprobs(model, groups, temperature, backend, max_row_tokens=max_row, chunk_size=5)
+    weights = torch.randn(packed.completion_mask.shape, generator=torch.Generator().manual_seed(5))
+    mask = packed.completion_mask.float()
+    grads = torch.autograd.grad((got * weights * mask).sum(), params, allow_unused=True)
+    expected = reference_logprobs(model, groups, temperature)
+    ref_grads = torch.autograd.grad((expected * weights * mask).sum(), params, allow_unused=True)
+    assert all(g is not None for g in ref_grads)
+    assert_grads_close(grads, ref_grads, names)
+
+
+# ------------------------------------------------------------------------------------------------------
+# 4. tri-model: one layout, three models
+# ------------------------------------------------------------------------------------------------------
+def test_tri_model_shares_one_layout():
+    groups, max_row = groups_of("rows")
+    packed = pack(groups, PAD, shared_prompt=True, max_row_tokens=max_row)
+    packed.attention.backend = "sdpa"
+    outputs = []
+    for seed in (0, 1, 2):  # policy, old, reference
+        model = tiny_model("qwen2", True, seed)
+        with torch.no_grad():
+            got = completion_logprobs(model, packed, 1.0)
+        torch.testing.assert_close(got, cached_reference("qwen2", True, seed, "rows", 1.0), rtol=RTOL, atol=ATOL)
+        outputs.append(got)
+    assert (outputs[0] - outputs[1]).abs().max() > 1e-2  # the three models really differ
+
+
+# ------------------------------------------------------------------------------------------------------
+# 5. chunked LM-head log-probs
+# ------------------------------------------------------------------------------------------------------
+def naive_linear_logprobs(h, w, targets, temperature, b=None):
+    logits = h.float() @ w.float().T + (b.float() if b is not None else 0.0)
+    return torch.log_softmax(logits / temperature, -1).gather(-1, targets[:, None])[:, 0]
+
+
+@pytest.mark.parametrize("with_bias", [True, False], ids=["bias", "nobias"])
+@pytest.mark.parametrize("chunk", [1, 3, 10, 17])
+def test_linear_token_logprobs_float32(chunk, with_bias):
+    gen = torch.Generator().manual_seed(chunk)
+    N, d, V, T = 10, 8, 13, 0.7
+    h = torch.randn(N, d, generator=gen, requires_grad=True)
+    w = torch.randn(V, d, generator=gen, requires_grad=True)
+    b = torch.randn(V, generator=gen, requires_grad=True) if with_bias else None
+    targets = torch.randint(0, V, (N,), generator=gen)
+    upstream = torch.randn(N, generator=gen)
+    inputs = [h, w] + ([b] if with_bias else [])
+
+    got = linear_token_logprobs(h, w, targets, T, bias=b, chunk_size=chunk)
+    expected = naive_linear_logprobs(h, w, targets, T, b)
+    assert got.dtype == torch.float32 and got.shape == (N,)
+    torch.testing.assert_close(got, expected, rtol=RTOL, atol=ATOL)
+    grads = torch.autograd.grad((got * upstream).sum(), inputs)
+    ref = torch.autograd.grad((expected * upstream).sum(), inputs)
+    for g, e in zip(grads, ref):
+        assert g.dtype == e.dtype
+        torch.testing.assert_close(g, e, rtol=RTOL, atol=ATOL)
+
+
+def test_linear_token_logprobs_bfloat16():
+    gen = torch.Generator().manual_seed(0)
+    N, d, V, T = 12, 16, 29, 0.7
+    h = torch.randn(N, d, generator=gen).bfloat16().requires_grad_()
+    w = (torch.randn(V, d, generator=gen) * 0.3).bfloat16().requires_grad_()
+    b = torch.randn(V, generator=gen).bfloat16().requires_grad_()
+    targets = torch.randint(0, V, (N,), generator=gen)
+    upstream = torch.randn(N, generator=gen)
+    got = linear_token_logprobs(h, w, targets, T, bias=b, chunk_size=5)
+    expected = naive_linear_logprobs(h, w, targets, T, b)  # float32 from the same bf16 values
+    assert got.dtype == torch.float32
+    torch.testing.assert_close(got, expected, rtol=2e-2, atol=5e-2)
+    grads = torch.autograd.grad((got * upstream).sum(), (h, w, b))
+    ref = torch.autograd.grad((expected * upstream).sum(), (h, w, b))
+    for g, e in zip(grads, ref):
+        assert g.dtype == torch.bfloat16
+        torch.testing.assert_close(g.float(), e.float(), rtol=5e-2, atol=5e-2)
+
+
+def test_linear_token_logprobs_rejects_bad_chunk():
+    with pytest.raises(ValueError):
+        linear_token_logprobs(torch.randn(2, 3), torch.randn(4, 3), torch.tensor([0, 1]), chunk_size=0)
+
+
+def test_linear_token_logprobs_saves_no_full_logits():
+    """The autograd graph keeps only the inputs: no tensor of N*V (or more) elements is saved for backward."""
+    N, d, V = 64, 16, 1000
+    h = torch.randn(N, d, requires_grad=True)
+    w = torch.randn(V, d, requires_grad=True)
+    b = torch.randn(V, requires_grad=True)
+    targets = torch.randint(0, V, (N,))
+    saved = []
+
+    def pack_hook(t):
+        saved.append(tuple(t.shape))
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack_hook, lambda t: t):
+        out = linear_token_logprobs(h, w, targets, 0.7, bias=b, chunk_size=8)
+    assert saved, "the hook saw nothing: the check would be vacuous"
+    assert all(torch.Size(s).numel() < N * V for s in saved), saved
+    out.sum().backward()
+    assert h.grad is not None and w.grad is not None and b.grad is not None
+
+
+def test_linear_token_logprobs_never_allocates_full_logits():
+    """N=4096, V=50000 (819 MB of float32 logits): with chunk 256, no single CPU allocation of forward or
+    backward comes near N*V*4 bytes (measured with the profiler's memory events)."""
+    N, d, V, chunk = 4096, 8, 50000, 256
+    h = torch.randn(N, d, requires_grad=True)
+    w = torch.randn(V, d, requires_grad=True)
+    targets = torch.randint(0, V, (N,))
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
+        out = linear_token_logprobs(h, w, targets, 1.0, chunk_size=chunk)
+        out.sum().backward()
+    sizes = [e.cpu_memory_usage for e in prof.events() if e.cpu_memory_usage > 0]
+    assert sizes, "the profiler recorded no allocation: the check would be vacuous"
+    largest = max(sizes)
+    assert largest >= chunk * V * 4  # it did see the chunk's logits
+    assert largest < N * V * 4 // 8, f"largest allocation {largest} bytes"
+
+
+# ------------------------------------------------------------------------------------------------------
+# 6. backend selection, missing layout, context restore
+# ------------------------------------------------------------------------------------------------------
+def test_resolve_backend_on_cpu():
+    assert resolve_backend("auto", "cpu") == "sdpa"
+    assert resolve_backend("sdpa", "cpu") == "sdpa"
+    assert resolve_backend("dense", torch.device("cpu")) == "dense"
+    for name, need in (("flex", "CUDA"), ("flash", "flash-attn"), ("npu", "torch_npu")):
+        with pytest.raises(RuntimeError, match=need):
+            resolve_backend(name, "cpu")
+    with pytest.raises(ValueError) as error:
+        resolve_backend("xformers", "cpu")
+    assert "xformers" in str(error.value)
+    assert all(name in str(error.value) for name in BACKENDS)
+
+
+def test_missing_layout_and_context_restore():
+    model = tiny_model("qwen2", True)
+    before = model.config._attn_implementation
+    ids = torch.tensor([[1, 2, 3]])
+    with pytest.raises(RuntimeError, match="shared_prompt"):
+        with use_shared_prompt_attention(model):
+            assert model.config._attn_implementation == ATTENTION_NAME
+            model(input_ids=ids)
+    assert model.config._attn_implementation == before
+    with pytest.raises(KeyError):
+        with use_shared_prompt_attention(model):
+            raise KeyError("body fails")
+    assert model.config._attn_implementation == before
+    with torch.no_grad():  # the model works normally afterwards
+        model(input_ids=ids)
+
+
+def test_attention_dropout_is_refused():
+    q = torch.randn(1, 2, 3, 4)
+    layout = pack([([1, 2], [[3, 4]])], PAD, shared_prompt=True).attention
+    with pytest.raises(ValueError, match="dropout"):
+        shared_prompt_attention(None, q, q, q, None, dropout=0.1, shared_prompt=layout)
+
+
+@pytest.mark.parametrize("backend", ["sdpa", "dense", "flash", "npu", "flex"])
+@pytest.mark.parametrize("window", [1, 3, 6])
+def test_sliding_window_is_applied(fake_device_kernels, monkeypatch, backend, window):
+    """Mistral applies its sliding window in attention (``sliding_window`` kwarg): a window shorter than the
+    prompt must give exactly what the model computes unpacked (flash and npu through the fakes)."""
+    monkeypatch.setattr(attention_module, "_flex_by_device", {})
+    model = tiny_model("mistral", True, sliding_window=window)
+    groups, _ = groups_of("multi")  # the 17-token prompt exceeds the window
+    expected = reference_logprobs(model, groups, 1.0).detach()
+    with torch.no_grad():
+        got, _ = packed_logprobs(model, groups, 1.0, backend)
+    torch.testing.assert_close(got, expected, rtol=RTOL, atol=ATOL)
+    if window == 6:  # the window matters: ignoring it gives other numbers
+        plain = tiny_model("mistral", True, sliding_window=None)
+        plain.load_state_dict(model.state_dict())
+        assert not torch.allclose(reference_logprobs(plain, groups, 1.0), expected, atol=1e-3)
+
+
+def test_sliding_window_gradients_match():
+    model = tiny_model("mistral", True, sliding_window=4)
+    groups, _ = groups_of("multi")
+    weights = None
+    grads = {}
+    for name in ("reference", "sdpa"):
+        model.zero_grad(set_to_none=True)
+        logp = reference_logprobs(model, groups, 1.0) if name == "reference" else packed_logprobs(model, groups, 1.0, "sdpa")[0]
+        if weights is None:
+            weights = torch.randn(logp.shape, generator=torch.Generator().manual_seed(0))
+        (logp * weights).sum().backward()
+        grads[name] = [p.grad.clone() for p in model.parameters()]
+    for a, b in zip(grads["sdpa"], grads["reference"]):
+        torch.testing.assert_close(a, b, rtol=RTOL, atol=1e-5)
+
+
+# ------------------------------------------------------------------------------------------------------
+# 7-8. kernel-level: every backend against a brute-force attention on random q/k/v
+# ------------------------------------------------------------------------------------------------------
+@functools.cache
+def layer_inputs():
+    """A real layout ("rows": several rows, padding, split group) and q/k/v shaped like a GQA layer."""
+    groups, max_row = groups_of("rows")
+    layout = pack(groups, PAD, shared_prompt=True, max_row_tokens=max_row).attention
+    _, _, mask = brute_force_layout(groups, max_row)
+    B, L = layout.segment_ids.shape
+    gen = torch.Generator().manual_seed(11)
+    q = torch.randn(B, 4, L, 16, generator=gen) * 2
+    k = torch.randn(B, 2, L, 16, generator=gen) * 2
+    v = torch.randn(B, 2, L, 16, generator=gen)
+    real = layout.segment_ids >= 0
+    # brute-force reference: SDPA with the rule's mask (pad queries attend to themselves only)
+    m = mask | (~real[:, :, None] & torch.eye(L, dtype=torch.bool))
+    ref = F.scaled_dot_product_attention(q, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1), attn_mask=m[:, None], scale=SCALE)
+    return layout, q, k, v, real, ref.transpose(1, 2)  # [B, L, H, D]
+
+
+def run_kernel(layout, backend, q, k, v):
+    layout.backend = backend
+    try:
+        out, weights = shared_prompt_attention(None, q, k, v, None, scaling=SCALE, shared_prompt=layout)
+    finally:
+        layout.backend = "sdpa"
+    assert weights is None and out.shape == (q.shape[0], q.shape[2], q.shape[1], q.shape[3])
+    return out
+
+
+@pytest.mark.parametrize("backend", ["sdpa", "dense"])
+def test_kernel_forward_and_backward_against_brute_force(backend):
+    layout, q, k, v, real, ref = layer_inputs()
+    q, k, v = (t.clone().requires_grad_() for t in (q, k, v))
+    out = run_kernel(layout, backend, q, k, v)
+    torch.testing.assert_close(out[real], ref[real], rtol=RTOL, atol=ATOL)
+    # gradients of the real tokens' outputs against the brute-force attention's
+    upstream = torch.randn(out.shape, generator=torch.Generator().manual_seed(3)) * real[:, :, None, None]
+    grads = torch.autograd.grad((out * upstream).sum(), (q, k, v))
+    q2, k2, v2 = (t.detach().clone().requires_grad_() for t in (q, k, v))
+    groups, max_row = groups_of("rows")
+    _, _, mask = brute_force_layout(groups, max_row)
+    L = mask.shape[-1]
+    m = mask | (~real[:, :, None] & torch.eye(L, dtype=torch.bool))
+    ref2 = F.scaled_dot_product_attention(
+        q2, k2.repeat_interleave(2, 1), v2.repeat_interleave(2, 1), attn_mask=m[:, None], scale=SCALE
+    ).transpose(1, 2)
+    ref_grads = torch.autograd.grad((ref2 * upstream).sum(), (q2, k2, v2))
+    for g, e in zip(grads, ref_grads):
+        torch.testing.assert_close(g, e, rtol=1e-5, atol=1e-5)
+
+
+def test_flex_block_mask_matches_dense():
+    pytest.importorskip("torch.nn.attention.flex_attention")
+    for name in SCENARIOS:
+        groups, max_row = groups_of(name)
+        layout = pack(groups, PAD, shared_prompt=True, max_row_tokens=max_row).attention
+        block_mask = flex_block_mask(layout, "cpu")
+        B, L = layout.segment_ids.shape
+        b = torch.arange(B)[:, None, None]
+        qi = torch.arange(L)[None, :, None]
+        ki = torch.arange(L)[None, None, :]
+        token_mask = block_mask.mask_mod(b, torch.zeros((), dtype=torch.long), qi, ki)
+        dense = dense_allowed(layout)[:, 0]
+        assert torch.equal(token_mask.expand(B, L, L), dense), name
+        # every allowed (q, kv) pair lies in a block the BlockMask computes
+        blocks = block_mask.to_dense()[:, 0].bool()  # [B, nq_blocks, nkv_blocks]
+        bq, bk = block_mask.BLOCK_SIZE
+        where = dense.nonzero()
+        assert blocks[where[:, 0], where[:, 1] // bq, where[:, 2] // bk].all(), name
+
+
+def test_flex_forward_on_cpu_matches_brute_force(monkeypatch):
+    pytest.importorskip("torch.nn.attention.flex_attention")
+    monkeypatch.setattr(attention_module, "_flex_by_device", {})  # restored afterwards (it is cached per process)
+    layout, q, k, v, real, ref = layer_inputs()
+    layout.__dict__.pop("_block_masks", None)
+    try:
+        with torch.no_grad():
+            out = run_kernel(layout, "flex", q, k, v)
+    except Exception as error:  # noqa: BLE001 - eager flex on CPU is a torch capability, not ours
+        pytest.skip(f"flex_attention does not run eagerly on CPU in torch {torch.__version__}: {error!r}")
+    finally:
+        layout.__dict__.pop("_block_masks", None)
+    torch.testing.assert_close(out[real], ref[real], rtol=RTOL, atol=ATOL)
+
+
+def fake_flash_attn_varlen_func(
+    q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0, softmax_scale=None, causal=False,
+    window_size=(-1, -1), **kwargs
+):
+    """flash-attn >= 2.1 semantics with plain SDPA: per segment, query i of q_len sees key j of k_len iff
+    j <= i + k_len - q_len (bottom-right causal) and, with ``window_size=(left, 0)``, j >= i + k_len - q_len - left;
+    GQA by head groups."""
+    assert causal and dropout_p == 0.0 and not kwargs and window_size[1] in (-1, 0)
+    assert cu_seqlens_q.dtype == torch.int32 and cu_seqlens_k.dtype == torch.int32
+    assert cu_seqlens_q.device == q.device and cu_seqlens_k.device == q.device
+    assert q.shape[0] == int(cu_seqlens_q[-1]) and k.shape[0] == v.shape[0] == int(cu_seqlens_k[-1])
+    H, Hkv = q.shape[1], k.shape[1]
+    outputs = []
+    for s in range(len(cu_seqlens_q) - 1):
+        qs = q[cu_seqlens_q[s] : cu_seqlens_q[s + 1]].transpose(0, 1)
+        ks = k[cu_seqlens_k[s] : cu_seqlens_k[s + 1]].transpose(0, 1).repeat_interleave(H // Hkv, 0)
+        vs = v[cu_seqlens_k[s] : cu_seqlens_k[s + 1]].transpose(0, 1).repeat_interleave(H // Hkv, 0)
+        q_len, k_len = qs.shape[1], ks.shape[1]
+        assert q_len <= max_seqlen_q and k_len <= max_seqlen_k
+        diagonal = torch.arange(q_len)[:, None] + (k_len - q_len)
+        allowed = torch.arange(k_len)[None, :] <= diagonal
+        if window_size[0] >= 0:
+            allowed &= torch.arange(k_len)[None, :] >= diagonal - window_size[0]
+        outputs.append(F.scaled_dot_product_attention(qs, ks, vs, attn_mask=allowed, scale=softmax_scale).transpose(0, 1))
+    return torch.cat(outputs)
+
+
+def fake_npu_fusion_attention(q, k, v, head_num, input_layout, atten_mask=None, scale=1.0, keep_prob=1.0, **kwargs):
+    """torch_npu semantics with plain SDPA: ``atten_mask`` True marks a position that does NOT take part."""
+    assert input_layout == "BNSD" and head_num == q.shape[1] and keep_prob == 1.0
+    assert atten_mask is not None and atten_mask.dtype == torch.bool
+    assert atten_mask.shape[-2:] == (q.shape[2], k.shape[2])
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=~atten_mask, scale=scale, enable_gqa=k.shape[1] != q.shape[1])
+    return (out, None, None, None, 0, 0, 0)
+
+
+@pytest.fixture
+def fake_device_kernels(monkeypatch):
+    monkeypatch.setitem(sys.modules, "flash_attn", types.SimpleNamespace(flash_attn_varlen_func=fake_flash_attn_varlen_func))
+    monkeypatch.setitem(sys.modules, "torch_npu", types.SimpleNamespace(npu_fusion_attention=fake_npu_fusion_attention))
+
+
+@pytest.mark.parametrize("backend", ["flash", "npu"])
+def test_flash_and_npu_inputs_through_fake_kernels(fake_device_kernels, backend):
+    layout, q, k, v, real, ref = layer_inputs()
+    out = run_kernel(layout, backend, q, k, v)
+    torch.testing.assert_close(out[real], ref[real], rtol=RTOL, atol=ATOL)
+    dense = run_kernel(layout, "dense", q, k, v)
+    torch.testing.assert_close(out[real], dense[real], rtol=RTOL, atol=ATOL)
+
+
+@pytest.mark.parametrize("backend", ["flash", "npu", "flex"])
+def test_device_backends_through_the_model(fake_device_kernels, monkeypatch, backend):
+    """flash and npu through the fakes; flex for real (eager, forward only) where torch runs it on CPU."""
+    monkeypatch.setattr(attention_module, "_flex_by_device", {})
+    model = tiny_model("qwen3", True)
+    groups, max_row = groups_of("rows")
+    try:
+        with torch.no_grad():
+            got, _ = packed_logprobs(model, groups, 0.7, backend, max_row_tokens=max_row)
+    except Exception as error:  # noqa: BLE001
+        if backend != "flex":
+            raise
+        pytest.skip(f"flex_attention does not run eagerly on CPU in torch {torch.__version__}: {error!r}")
+    torch.testing.assert_close(got, cached_reference("qwen3", True, 0, "rows", 0.7), rtol=RTOL, atol=ATOL)
