@@ -46,8 +46,7 @@ class RunSummary(Callback):
         stats = datamodule.history[-1]
         wall = time.monotonic() - self._epoch_start
         train_busy = sum(end - start for start, end in getattr(pl_module, "train_intervals", []))
-        reward = trainer.callback_metrics.get("reward")
-        self.rewards.append(float(reward) if reward is not None else float("nan"))
+        self.rewards.append(stats.reward_mean)  # the iteration's rollouts, before any reward shaping
         self.completions += stats.completions
         self.tokens += stats.completion_tokens
         self.gen_busy_s += stats.gen_busy_s
@@ -56,6 +55,7 @@ class RunSummary(Callback):
         pl_module.log("tokens_per_s", stats.completion_tokens / max(wall, 1e-9), on_epoch=True)
         pl_module.log("gen_busy_s", stats.gen_busy_s, on_epoch=True)
         pl_module.log("train_busy_s", train_busy, on_epoch=True)
+        pl_module.log("dropped_groups", float(stats.dropped_groups), on_epoch=True)
 
     def on_fit_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self.wall_s += time.monotonic() - self._fit_start

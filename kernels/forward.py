@@ -28,7 +28,10 @@ def check_supported(model: PreTrainedModel) -> None:
             )
 
 
-def completion_logprobs(model: PreTrainedModel, tokens: PackedTokens, temperature: float, chunk_size: int = 1024) -> torch.Tensor:
+def completion_logprobs(
+    model: PreTrainedModel, tokens: PackedTokens, temperature: float, chunk_size: int = 1024, with_entropy: bool = False
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Log-probs ``[n, T]`` of the completions (and, ``with_entropy``, the per-token entropy ``[n, T]``)."""
     backbone = model.get_decoder()
     head = model.get_output_embeddings()
     if tokens.attention is not None:
@@ -39,6 +42,12 @@ def completion_logprobs(model: PreTrainedModel, tokens: PackedTokens, temperatur
     else:
         hidden = backbone(input_ids=tokens.input_ids, use_cache=False).last_hidden_state
     selected = hidden.reshape(-1, hidden.shape[-1])[tokens.label_positions]
-    logprobs = linear_token_logprobs(selected, head.weight, tokens.label_targets, temperature, bias=head.bias, chunk_size=chunk_size)
-    out = logprobs.new_zeros(tokens.completion_mask.numel()).scatter(0, tokens.label_slots, logprobs)
-    return out.view(tokens.completion_mask.shape)
+    logprobs, entropy = linear_token_logprobs(
+        selected, head.weight, tokens.label_targets, temperature, bias=head.bias, chunk_size=chunk_size, with_entropy=True
+    )
+
+    def place(values: torch.Tensor) -> torch.Tensor:
+        out = values.new_zeros(tokens.completion_mask.numel()).scatter(0, tokens.label_slots, values)
+        return out.view(tokens.completion_mask.shape)
+
+    return (place(logprobs), place(entropy)) if with_entropy else place(logprobs)

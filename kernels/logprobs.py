@@ -26,20 +26,26 @@ def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: flo
 
 
 class _LinearTokenLogprobs(torch.autograd.Function):
+    """Outputs (log-prob of the target, entropy of the distribution) per row; both differentiable."""
+
     @staticmethod
     def forward(ctx, hidden, weight, bias, targets, temperature, chunk_size):
-        out = torch.empty(hidden.shape[0], dtype=torch.float32, device=hidden.device)
+        ctx.set_materialize_grads(False)
+        logprobs = torch.empty(hidden.shape[0], dtype=torch.float32, device=hidden.device)
+        entropy = torch.empty_like(logprobs)
         for start in range(0, hidden.shape[0], chunk_size):
             end = start + chunk_size
             logits = torch.nn.functional.linear(hidden[start:end], weight, bias).float() / temperature
-            out[start:end] = logits.gather(-1, targets[start:end, None])[:, 0] - torch.logsumexp(logits, dim=-1)
-        ctx.save_for_backward(hidden, weight, bias, targets)
+            log_p = logits.log_softmax(-1)
+            logprobs[start:end] = log_p.gather(-1, targets[start:end, None])[:, 0]
+            entropy[start:end] = -(log_p.exp() * log_p).sum(-1)
+        ctx.save_for_backward(hidden, weight, bias, targets, entropy)
         ctx.temperature, ctx.chunk_size = temperature, chunk_size
-        return out
+        return logprobs, entropy
 
     @staticmethod
-    def backward(ctx, grad_out):
-        hidden, weight, bias, targets = ctx.saved_tensors
+    def backward(ctx, grad_logprobs, grad_entropy):
+        hidden, weight, bias, targets, entropy = ctx.saved_tensors
         T = ctx.temperature
         need_h, need_w, need_b = ctx.needs_input_grad[:3]
         grad_hidden = torch.empty_like(hidden) if need_h else None
@@ -48,11 +54,16 @@ class _LinearTokenLogprobs(torch.autograd.Function):
         for start in range(0, hidden.shape[0], ctx.chunk_size):
             end = start + ctx.chunk_size
             h = hidden[start:end]
-            logits = torch.nn.functional.linear(h, weight, bias).float() / T
-            # d logp / d logits = (onehot(target) - softmax) / T
-            g = -torch.softmax(logits, dim=-1)
-            g.scatter_add_(-1, targets[start:end, None], torch.ones_like(g[:, :1]))
-            g *= (grad_out[start:end, None] / T)
+            log_p = (torch.nn.functional.linear(h, weight, bias).float() / T).log_softmax(-1)
+            p = log_p.exp()
+            g = torch.zeros_like(p)  # d loss / d (logits / T)
+            if grad_logprobs is not None:  # d log p_y = onehot(y) - p
+                gl = grad_logprobs[start:end, None]
+                g -= p * gl
+                g.scatter_add_(-1, targets[start:end, None], gl)
+            if grad_entropy is not None:  # d H = -p (log p + H)
+                g -= p * (log_p + entropy[start:end, None]) * grad_entropy[start:end, None]
+            g /= T
             if need_h:
                 grad_hidden[start:end] = (g.to(weight.dtype) @ weight).to(hidden.dtype)
             if need_w:
@@ -71,8 +82,10 @@ def linear_token_logprobs(
     temperature: float = 1.0,
     bias: torch.Tensor | None = None,
     chunk_size: int = 1024,
-) -> torch.Tensor:
-    """``log_softmax((hidden @ weight.T + bias) / T)[targets]`` for ``hidden`` ``[N, d]``, in chunks.
+    with_entropy: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """``log_softmax((hidden @ weight.T + bias) / T)[targets]`` for ``hidden`` ``[N, d]``, in chunks;
+    with ``with_entropy`` also the entropy of each row's distribution (differentiable too).
 
     Example::
 
@@ -83,4 +96,5 @@ def linear_token_logprobs(
     """
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
-    return _LinearTokenLogprobs.apply(hidden, weight, bias, targets, float(temperature), int(chunk_size))
+    logprobs, entropy = _LinearTokenLogprobs.apply(hidden, weight, bias, targets, float(temperature), int(chunk_size))
+    return (logprobs, entropy) if with_entropy else logprobs

@@ -17,7 +17,7 @@ from lightning.pytorch.loggers import CSVLogger
 from omegaconf import DictConfig, OmegaConf
 
 from lit_parl.callbacks import HFExport, RunSummary, WeightSync
-from lit_parl.datamodule import RolloutDataModule
+from lit_parl.datamodule import RolloutDataModule, check_mini_batches
 from lit_parl.kernels.attention import resolve_backend
 from lit_parl.module import GRPOModule
 from lit_parl.trajectory import SamplingParams
@@ -40,6 +40,7 @@ def build(cfg: DictConfig) -> tuple[GRPOModule, RolloutDataModule, lightning.Tra
         weight_decay=algorithm.weight_decay,
         max_grad_norm=algorithm.max_grad_norm,
         mini_batches=algorithm.mini_batches,
+        passes=algorithm.passes,
         temperature=sampling.temperature,
         attention_backend=algorithm.attention_backend,
         logprob_chunk_size=algorithm.logprob_chunk_size,
@@ -59,12 +60,11 @@ def build(cfg: DictConfig) -> tuple[GRPOModule, RolloutDataModule, lightning.Tra
         packing=rollout.packing,
         min_packing_gain=rollout.min_packing_gain,
         max_row_tokens=rollout.max_row_tokens,
+        max_sampling_rounds=rollout.max_sampling_rounds,
     )
-    if datamodule.iteration_samples % (algorithm.mini_batches * rollout.micro_batch_size):
-        raise ValueError(
-            f"algorithm.mini_batches={algorithm.mini_batches} must split the iteration's {datamodule.iteration_samples} "
-            f"samples into whole micro-batches of rollout.micro_batch_size={rollout.micro_batch_size}"
-        )
+    check_mini_batches(rollout.prompts_per_iteration, rollout.group_size, rollout.micro_batch_size, algorithm.mini_batches)
+    if objective.kl_in_reward and rollout.micro_batch_size % rollout.group_size:
+        raise ValueError("algorithm.objective.kl_in_reward needs whole groups per micro-batch: make rollout.micro_batch_size a multiple of group_size")
     callbacks = [WeightSync(), RunSummary(dirpath=str(run_dir)), HFExport(dirpath=str(run_dir / "policy"))]
     if cfg.checkpoint_every:
         callbacks.append(ModelCheckpoint(dirpath=run_dir / "checkpoints", every_n_epochs=cfg.checkpoint_every, save_last=True, save_top_k=-1))

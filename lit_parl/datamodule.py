@@ -22,6 +22,7 @@ Example (the CLI builds the same from ``conf/``)::
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 from dataclasses import dataclass, field
@@ -32,7 +33,7 @@ from torch.utils.data import DataLoader, IterableDataset
 from transformers import PreTrainedTokenizerBase
 
 from lit_parl.rollout.base import RolloutPool
-from lit_parl.trajectory import PACKING_MODES, Group, GroupRequest, SamplingParams, Trajectory, collate, sample_seed
+from lit_parl.trajectory import PACKING_MODES, Group, GroupRequest, MicroBatch, SamplingParams, Trajectory, collate, sample_seed
 
 MODES = ("async", "sync")
 
@@ -49,7 +50,14 @@ class IterationStats:
     completions: int = 0
     completion_tokens: int = 0
     truncated: int = 0
+    reward_sum: float = 0.0
+    prompts_drawn: int = 0
+    dropped_groups: int = 0  # zero-variance groups dropped by dynamic sampling
     gen_intervals: list[tuple[float, float]] = field(default_factory=list)
+
+    @property
+    def reward_mean(self) -> float:
+        return self.reward_sum / max(self.completions, 1)
 
     @property
     def gen_busy_s(self) -> float:
@@ -67,7 +75,7 @@ class _IterationStream(IterableDataset):
         self.datamodule = datamodule
 
     def __len__(self) -> int:
-        return self.datamodule.micro_batches_per_iteration
+        return self.datamodule.micro_batches_per_iteration * self.datamodule.passes
 
     def __iter__(self):
         return self.datamodule._stream_iteration()
@@ -90,6 +98,7 @@ class RolloutDataModule(LightningDataModule):
         packing: str = "auto",
         min_packing_gain: float = 1.5,
         max_row_tokens: int | None = None,
+        max_sampling_rounds: int = 8,
     ) -> None:
         super().__init__()
         if group_size < 2:
@@ -126,7 +135,11 @@ class RolloutDataModule(LightningDataModule):
         self.history: list[IterationStats] = []
         self._gate = threading.Event()
         self._gate_version: int | None = None
-        self._advantages = None
+        self._module = None
+        self.mini_batches = 1  # read from the module at setup
+        self.passes = 1
+        self.dynamic_sampling = False
+        self.max_sampling_rounds = max_sampling_rounds
 
     @property
     def iteration_samples(self) -> int:
@@ -143,13 +156,12 @@ class RolloutDataModule(LightningDataModule):
         module = self.trainer.lightning_module if self.trainer is not None else None
         if module is None or not hasattr(module, "policy"):
             raise TypeError("RolloutDataModule needs a LightningModule with a `policy` (e.g. lit_parl.GRPOModule)")
-        mini_batches = getattr(module, "mini_batches", 1)
-        if self.iteration_samples % (mini_batches * self.micro_batch_size):
-            raise ValueError(
-                f"algorithm.mini_batches={mini_batches} must split the iteration's {self.iteration_samples} samples "
-                f"into whole micro-batches of rollout.micro_batch_size={self.micro_batch_size}"
-            )
-        self._advantages = module.group_advantages
+        self.mini_batches = getattr(module, "mini_batches", 1)
+        self.passes = getattr(module, "passes", 1)
+        check_mini_batches(self.prompts_per_iteration, self.group_size, self.micro_batch_size, self.mini_batches)
+        self._module = module
+        objective = getattr(module, "objective", None)
+        self.dynamic_sampling = bool(getattr(objective, "dynamic_sampling", False))
         colocated = self.mode == "sync"
         if self.trainer_threads is not None:
             torch.set_num_threads(self.trainer_threads)
@@ -199,59 +211,119 @@ class RolloutDataModule(LightningDataModule):
         return version
 
     # -- one iteration ---------------------------------------------------------------------------------
+    def request(self, prompt_id: int, version: int) -> GroupRequest:
+        prompt_text, answer_text = self.task.make(prompt_id)
+        return GroupRequest(
+            prompt_id=prompt_id,
+            prompt_ids=tuple(self.tokenizer(prompt_text, add_special_tokens=False).input_ids),
+            answer_ids=tuple(self.tokenizer(answer_text, add_special_tokens=False).input_ids),
+            version=version,
+            seeds=tuple(sample_seed(self.seed, version, prompt_id, s) for s in range(self.group_size)),
+        )
+
     def schedule(self, version: int) -> dict[int, GroupRequest]:
         """The iteration's requests by prompt_id: prompts ``cursor .. cursor + N - 1``."""
-        requests = {}
-        for prompt_id in range(self.cursor, self.cursor + self.prompts_per_iteration):
-            prompt_text, answer_text = self.task.make(prompt_id)
-            seeds = tuple(sample_seed(self.seed, version, prompt_id, s) for s in range(self.group_size))
-            requests[prompt_id] = GroupRequest(
-                prompt_id=prompt_id,
-                prompt_ids=tuple(self.tokenizer(prompt_text, add_special_tokens=False).input_ids),
-                answer_ids=tuple(self.tokenizer(answer_text, add_special_tokens=False).input_ids),
-                version=version,
-                seeds=seeds,
-            )
-        return requests
+        return {i: self.request(i, version) for i in range(self.cursor, self.cursor + self.prompts_per_iteration)}
 
     def _stream_iteration(self):
+        """Pass 0 streams as groups arrive; passes 1.. replay the same micro-batches.
+
+        The iteration's N prompt slots are split into ``mini_batches`` fixed blocks by schedule position,
+        so a mini-batch's content does not depend on arrival order; a mini-batch's micro-batches leave as
+        soon as its groups are in. With dynamic sampling, a dropped group's slot is refilled by a new
+        prompt in the next round (slots refilled in schedule order, so the result is order-independent too).
+        """
         version = self._wait_for_gate()
-        scheduled = self.schedule(version)
+        N, M = self.prompts_per_iteration, self.mini_batches
+        per_mini_batch = N // M
         stats = IterationStats(version=version, requested_at=time.monotonic())
-        groups = self.pool.generate(list(scheduled.values()), self.sampling)
-        if self.mode == "sync":  # the colocated baseline: generate everything, then train
-            groups = list(groups)
-        groups = iter(groups)
-        waiting = dict(scheduled)
-        buffer: list[Trajectory] = []
-        offset = 0
-        while waiting:
-            group = next(groups, None)
-            if group is None:
-                raise RuntimeError(
-                    f"iteration {self.iterations_done}: the pool stopped with prompts {sorted(waiting)[:10]} "
-                    f"({len(waiting)} in all) never returned: refusing to lose trajectories"
-                )
-            buffer.extend(self._accept(group, waiting, version, stats))
-            if not waiting:
-                # Book the iteration before the last micro-batch leaves: Lightning knows the stream's
-                # length and never asks past it, so code after the final yield would never run.
-                for extra in groups:
-                    raise RuntimeError(f"the pool returned prompt_id {extra.prompt_id} after the iteration was complete")
+        slots: dict[int, list[Trajectory]] = {}  # slot -> accepted group's trajectories
+        dropped: list[tuple[int, list[Trajectory]]] = []  # (slot, group) with all-equal rewards
+        ready: list[list[Trajectory]] = [[] for _ in range(M)]  # per mini-batch, in arrival order
+        emitted: list[MicroBatch] = []
+        total = self.micro_batches_per_iteration * self.passes
+        next_mini_batch, offset, count = 0, 0, 0
+
+        def book(batch: MicroBatch) -> MicroBatch:
+            nonlocal count
+            count += 1
+            if count == total:  # book the iteration before its last micro-batch leaves (see below)
                 self._finish_iteration(stats)
-            while len(buffer) >= self.micro_batch_size:
-                chunk, buffer = buffer[: self.micro_batch_size], buffer[self.micro_batch_size :]
-                yield collate(
-                    chunk, self.tokenizer.pad_token_id, offset, self.iteration_samples,
-                    self.packing, self.min_packing_gain, self.max_row_tokens,
-                )
-                offset += len(chunk)
+            return batch
+
+        def emit(chunk: list[Trajectory]) -> MicroBatch:
+            nonlocal offset
+            batch = collate(
+                chunk, self.tokenizer.pad_token_id, offset, self.iteration_samples,
+                self.packing, self.min_packing_gain, self.max_row_tokens, self.group_size,
+            )
+            offset += len(chunk)
+            emitted.append(batch)
+            return book(batch)
+
+        open_slots = list(range(N))
+        for round_index in range(self.max_sampling_rounds if self.dynamic_sampling else 1):
+            if not open_slots:
+                break
+            requests = {}
+            slot_of = {}
+            for slot in open_slots:
+                prompt_id = self.cursor + stats.prompts_drawn
+                stats.prompts_drawn += 1
+                requests[prompt_id] = self.request(prompt_id, version)
+                slot_of[prompt_id] = slot
+            groups = self.pool.generate(list(requests.values()), self.sampling)
+            if self.mode == "sync":  # the colocated baseline: generate everything, then train
+                groups = list(groups)
+            groups = iter(groups)
+            waiting = dict(requests)
+            while waiting:
+                group = next(groups, None)
+                if group is None:
+                    raise RuntimeError(
+                        f"iteration {self.iterations_done}: the pool stopped with prompts {sorted(waiting)[:10]} "
+                        f"({len(waiting)} in all) never returned: refusing to lose trajectories"
+                    )
+                slot = slot_of[group.prompt_id] if group.prompt_id in slot_of else -1
+                trajectories = self._accept(group, waiting, version, stats)
+                if not waiting:
+                    # Lightning knows the stream's length and never asks past it: drain the pool's stream
+                    # now, so no code has to run after the final yield.
+                    for extra in groups:
+                        raise RuntimeError(f"the pool returned prompt_id {extra.prompt_id} after the round was complete")
+                if self.dynamic_sampling and trajectories[0].zero_variance:
+                    dropped.append((slot, trajectories))
+                    stats.dropped_groups += 1
+                    continue
+                slots[slot] = trajectories
+                ready[slot // per_mini_batch].extend(trajectories)
+                while next_mini_batch < M and len(ready[next_mini_batch]) >= self.micro_batch_size:
+                    chunk = ready[next_mini_batch][: self.micro_batch_size]
+                    del ready[next_mini_batch][: self.micro_batch_size]
+                    yield emit(chunk)
+                    if offset % (per_mini_batch * self.group_size) == 0:
+                        next_mini_batch += 1
+            open_slots = sorted(set(range(N)) - set(slots))
+        if open_slots:  # dynamic sampling ran out of rounds: refill with zero-variance groups (no gradient)
+            for (_, trajectories), slot in zip(sorted(dropped, key=lambda d: d[0]), open_slots):
+                slots[slot] = trajectories
+                ready[slot // per_mini_batch].extend(trajectories)
+            stats.dropped_groups -= len(open_slots)
+        while next_mini_batch < M:
+            chunk = ready[next_mini_batch][: self.micro_batch_size]
+            del ready[next_mini_batch][: self.micro_batch_size]
+            yield emit(chunk)
+            if offset % (per_mini_batch * self.group_size) == 0:
+                next_mini_batch += 1
+        for pass_index in range(1, self.passes):  # later passes: the same micro-batches, same mini-batches
+            for batch in emitted:
+                yield book(dataclasses.replace(batch, pass_index=pass_index))
 
     def _finish_iteration(self, stats: IterationStats) -> None:
         stats.completed_at = time.monotonic()
         stats.gen_intervals = self.pool.busy_intervals()
         self.history.append(stats)
-        self.cursor += self.prompts_per_iteration
+        self.cursor += stats.prompts_drawn
         self.iterations_done += 1
         self.last_version = stats.version
         self._gate.clear()
@@ -266,31 +338,45 @@ class RolloutDataModule(LightningDataModule):
         if request is None:
             raise RuntimeError(f"the pool returned prompt_id {group.prompt_id}, which this iteration did not request or already received")
         if sorted(group.sample_indices) != list(range(self.group_size)) or not (
-            len(group.completions) == len(group.logprobs) == len(group.rewards) == self.group_size
+            len(group.completions) == len(group.logprobs) == len(group.rewards) == len(group.finish_reasons) == self.group_size
         ):
             raise RuntimeError(f"prompt {group.prompt_id}: expected samples 0..{self.group_size - 1}, got {group.sample_indices}")
+        for k, completion in enumerate(group.completions):
+            if not completion or len(completion) != len(group.logprobs[k]):
+                raise RuntimeError(f"prompt {group.prompt_id} sample {group.sample_indices[k]}: {len(completion)} tokens but {len(group.logprobs[k])} log-probs")
         rewards = torch.tensor(group.rewards, dtype=torch.float32)
-        advantages = self._advantages(rewards).tolist()
-        trajectories = []
-        for k, sample in enumerate(group.sample_indices):
-            completion = list(group.completions[k])
-            if len(completion) != len(group.logprobs[k]) or not completion:
-                raise RuntimeError(f"prompt {group.prompt_id} sample {sample}: {len(completion)} tokens but {len(group.logprobs[k])} log-probs")
-            truncated = group.finish_reasons[k] == "length"
-            stats.completions += 1
-            stats.completion_tokens += len(completion)
-            stats.truncated += truncated
-            trajectories.append(
-                Trajectory(
-                    prompt_id=group.prompt_id,
-                    sample_index=sample,
-                    version=group.version,
-                    prompt_ids=list(request.prompt_ids),  # from our own schedule, never from the pool
-                    completion_ids=completion,
-                    rollout_logprobs=list(group.logprobs[k]),
-                    reward=float(group.rewards[k]),
-                    advantage=float(advantages[k]),
-                    truncated=truncated,
-                )
+        lengths = torch.tensor([len(c) for c in group.completions])
+        truncated = torch.tensor([reason == "length" for reason in group.finish_reasons])
+        shaped, advantages = self._module.group_advantages(rewards, lengths, truncated, self.sampling.max_new_tokens)
+        zero_variance = bool(torch.all(shaped == shaped[0]))
+        is_correct = getattr(self.task, "is_correct", lambda reward: reward >= 1.0)
+        stats.completions += self.group_size
+        stats.completion_tokens += int(lengths.sum())
+        stats.truncated += int(truncated.sum())
+        stats.reward_sum += float(rewards.sum())
+        return [
+            Trajectory(
+                prompt_id=group.prompt_id,
+                sample_index=sample,
+                version=group.version,
+                prompt_ids=list(request.prompt_ids),  # from our own schedule, never from the pool
+                completion_ids=list(group.completions[k]),
+                rollout_logprobs=list(group.logprobs[k]),
+                reward=float(rewards[k]),
+                advantage=float(advantages[k]),
+                truncated=bool(truncated[k]),
+                shaped_reward=float(shaped[k]),
+                correct=bool(is_correct(float(rewards[k]))),
+                zero_variance=zero_variance,
             )
-        return trajectories
+            for k, sample in enumerate(group.sample_indices)
+        ]
+
+
+def check_mini_batches(prompts: int, group_size: int, micro_batch_size: int, mini_batches: int) -> None:
+    """Mini-batches are whole blocks of prompt slots, each made of whole micro-batches."""
+    if prompts % mini_batches or (prompts // mini_batches * group_size) % micro_batch_size:
+        raise ValueError(
+            f"algorithm.mini_batches={mini_batches} must split the iteration's {prompts} prompts into equal blocks of "
+            f"whole micro-batches (rollout.micro_batch_size={micro_batch_size}, group_size={group_size})"
+        )

@@ -5,13 +5,19 @@ iteration), not on a fixed count of ``training_step`` calls, and because the gra
 mini-batch's normaliser only once the whole mini-batch has arrived (DESIGN.md invariant 4).
 
 Tri-model: ``policy`` is trained; ``old`` is the exact snapshot of the policy taken at the start of the
-iteration (θ_k), kept only when an iteration has several optimizer steps (with one step the old
-log-probs equal the policy's, so ``logp.detach()`` stands in); ``reference`` is θ_0, kept only when β > 0.
+iteration (θ_k), kept only when an iteration has several optimizer steps (mini-batches or passes; with
+one step the old log-probs equal the policy's, so ``logp.detach()`` stands in); ``reference`` is θ_0,
+kept only when β > 0. One call per micro-batch computes all three on the same packed layout.
+
+Per-iteration metrics are torchmetrics aggregates logged at the end of each epoch: rollout side (reward
+mean/std, accuracy, completion length, truncation rate, share of zero-variance groups, the rollout
+engine's log-prob mismatch with θ_k) and trainer side (clip fraction, KL to the reference, entropy,
+approximate KL between θ_k and the updated policy, gradient norm).
 
 Example::
 
     >>> from lit_parl.model import tiny_qwen2
-    >>> from lit_parl.objectives import GRPOObjective
+    >>> from lit_parl.objectives import GRPOObjective, kl_estimate
     >>> policy, tokenizer = tiny_qwen2()
     >>> module = GRPOModule(policy, GRPOObjective(beta=0.04), tokenizer=tokenizer)
     >>> module.reference is not None, module.old is None
@@ -25,11 +31,12 @@ import time
 
 import torch
 from lightning.pytorch import LightningModule
+from torchmetrics import MaxMetric, MeanMetric
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from lit_parl.kernels.attention import resolve_backend
 from lit_parl.kernels.forward import check_supported, completion_logprobs
-from lit_parl.objectives import GRPOObjective
+from lit_parl.objectives import GRPOObjective, kl_estimate
 from lit_parl.trajectory import MicroBatch
 
 
@@ -50,13 +57,14 @@ class GRPOModule(LightningModule):
         betas: tuple[float, float] = (0.9, 0.999),
         max_grad_norm: float | None = 1.0,
         mini_batches: int = 1,
+        passes: int = 1,
         temperature: float = 1.0,
         attention_backend: str = "auto",
         logprob_chunk_size: int = 1024,
     ) -> None:
         super().__init__()
-        if mini_batches < 1:
-            raise ValueError(f"algorithm.mini_batches must be >= 1, got {mini_batches}")
+        if mini_batches < 1 or passes < 1:
+            raise ValueError(f"algorithm.mini_batches and algorithm.passes must be >= 1, got {mini_batches} and {passes}")
         check_supported(policy)
         self.automatic_optimization = False
         self.policy = policy
@@ -64,16 +72,21 @@ class GRPOModule(LightningModule):
         self.tokenizer = tokenizer
         self.lr, self.weight_decay, self.betas = lr, weight_decay, tuple(betas)
         self.max_grad_norm = max_grad_norm
-        self.mini_batches = mini_batches
+        self.mini_batches = mini_batches  # optimizer steps per pass over the iteration's samples
+        self.passes = passes  # passes over the iteration's samples
         self.temperature = temperature
         self.attention_backend = attention_backend  # resolved for the device at fit start
         self.logprob_chunk_size = logprob_chunk_size
         self._backend: str | None = None
         self.reference = _frozen_copy(policy) if objective.needs_reference else None
-        self.old = _frozen_copy(policy) if mini_batches > 1 else None
+        self.old = _frozen_copy(policy) if mini_batches * passes > 1 else None
         self._normaliser = 0.0
         self._loss_sum = 0.0
         self.train_intervals: list[tuple[float, float]] = []  # (start, end) monotonic, this iteration
+        mean = ("reward", "reward_sq", "accuracy", "length", "truncated", "zero_variance", "mismatch_abs", "mismatch_kl",
+                "clip_fraction", "kl_ref", "entropy", "approx_kl", "grad_norm")
+        self.metrics = torch.nn.ModuleDict({name: MeanMetric() for name in mean})
+        self.metrics["length_max"] = MaxMetric()
 
     # -- Lightning hooks -------------------------------------------------------------------------------
     def configure_optimizers(self):
@@ -88,41 +101,89 @@ class GRPOModule(LightningModule):
         self._normaliser, self._loss_sum = 0.0, 0.0
         self.train_intervals = []
 
-    def group_advantages(self, rewards: torch.Tensor) -> torch.Tensor:
-        """Advantages of one finished group (called by the datamodule as groups arrive)."""
-        return self.objective.advantages(rewards)
+    def on_train_epoch_end(self) -> None:
+        values = {name: metric.compute() for name, metric in self.metrics.items() if metric.update_called}
+        if "reward" in values:
+            values["reward_std"] = (values.pop("reward_sq") - values["reward"] ** 2).clamp(min=0).sqrt()
+        names = {"length": "length/mean", "length_max": "length/max", "truncated": "truncation_rate",
+                 "zero_variance": "zero_variance_share", "mismatch_abs": "mismatch/logprob_abs_diff", "mismatch_kl": "mismatch/kl"}
+        for name, value in values.items():
+            self.log(names.get(name, name), value, prog_bar=name == "reward")
+        for metric in self.metrics.values():
+            metric.reset()
 
-    def completion_logprobs(self, model: PreTrainedModel, batch: MicroBatch) -> torch.Tensor:
+    # -- the algorithm ---------------------------------------------------------------------------------
+    def group_advantages(self, rewards: torch.Tensor, lengths: torch.Tensor, truncated: torch.Tensor, length_limit: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(shaped rewards, advantages) of one finished group (called by the datamodule as groups arrive)."""
+        shaped = self.objective.shape_rewards(rewards, lengths, truncated, length_limit)
+        return shaped, self.objective.advantages(shaped)
+
+    def completion_logprobs(self, model: PreTrainedModel, batch: MicroBatch, with_entropy: bool = False):
         """Log-probs ``[n, T]`` of the batch's completions under ``model`` at the sampling temperature."""
         if batch.tokens.attention is not None:
             batch.tokens.attention.backend = self._backend or resolve_backend(self.attention_backend, self.device)
-        return completion_logprobs(model, batch.tokens, self.temperature, self.logprob_chunk_size)
+        return completion_logprobs(model, batch.tokens, self.temperature, self.logprob_chunk_size, with_entropy)
+
+    def kl_in_reward_advantages(self, batch: MicroBatch, old_logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
+        """Advantages from rewards minus β·Σ_t KL_t(θ_k || reference), group by group within the micro-batch."""
+        mask = batch.completion_mask
+        sequence_kl = (kl_estimate(old_logp, ref_logp, self.objective.kl_estimator) * mask).sum(-1)
+        rewards = batch.shaped_rewards.to(sequence_kl.device) - self.objective.beta * sequence_kl
+        advantages = torch.empty_like(rewards)
+        ids = torch.tensor(batch.prompt_ids, device=rewards.device)
+        for prompt_id in ids.unique():
+            members = ids == prompt_id
+            if int(members.sum()) != batch.group_size:
+                raise ValueError(
+                    "kl_in_reward needs whole groups in each micro-batch: make rollout.micro_batch_size a multiple of group_size"
+                )
+            advantages[members] = self.objective.advantages(rewards[members])
+        return advantages
 
     def training_step(self, batch: MicroBatch, batch_idx: int) -> torch.Tensor:
         start = time.monotonic()
-        logp = self.completion_logprobs(self.policy, batch)
+        objective = self.objective
+        logp, entropy = self.completion_logprobs(self.policy, batch, with_entropy=True)
         with torch.no_grad():
             old_logp = self.completion_logprobs(self.old, batch) if self.old is not None else logp.detach()
             ref_logp = self.completion_logprobs(self.reference, batch) if self.reference is not None else None
-        terms = self.objective(logp, old_logp, ref_logp, batch.advantages, batch.completion_mask)
+        advantages = batch.advantages
+        if objective.kl_in_reward and ref_logp is not None:
+            advantages = self.kl_in_reward_advantages(batch, old_logp, ref_logp)
+        terms = objective(logp, old_logp, ref_logp, advantages, batch.completion_mask, batch.rollout_logprobs, entropy)
         self.manual_backward(terms.loss_sum)
         self._normaliser += float(terms.normaliser)
         self._loss_sum += float(terms.loss_sum.detach())
-
-        mask = batch.completion_mask
-        size = batch.size
-        self.log("reward", batch.rewards.mean(), on_step=False, on_epoch=True, prog_bar=True, batch_size=size)
-        self.log("rollout/logprob_abs_diff", ((old_logp - batch.rollout_logprobs).abs() * mask).sum() / mask.sum().clamp(min=1),
-                 on_step=False, on_epoch=True, batch_size=size)
-        self.log("clip_fraction", terms.stats["clipped_tokens"] / terms.stats["tokens"].clamp(min=1), on_step=False, on_epoch=True, batch_size=size)
-        if "kl_sum" in terms.stats:
-            self.log("kl", terms.stats["kl_sum"] / terms.stats["tokens"].clamp(min=1), on_step=False, on_epoch=True, batch_size=size)
+        self._update_metrics(batch, terms, old_logp)
 
         samples_per_step = batch.iteration_samples // self.mini_batches
-        if (batch.sample_offset + size) % samples_per_step == 0:
+        if (batch.sample_offset + batch.size) % samples_per_step == 0:
             self._optimizer_step()
         self.train_intervals.append((start, time.monotonic()))
         return terms.loss_sum.detach()
+
+    def _update_metrics(self, batch: MicroBatch, terms, old_logp: torch.Tensor) -> None:
+        m, stats = self.metrics, terms.stats
+        tokens = stats["tokens"].clamp(min=1)
+        m["clip_fraction"].update(stats["clipped_tokens"] / tokens, weight=tokens)
+        m["approx_kl"].update(stats["approx_kl_sum"] / tokens, weight=tokens)
+        m["entropy"].update(stats["entropy_sum"] / tokens, weight=tokens)
+        if "kl_sum" in stats:
+            m["kl_ref"].update(stats["kl_sum"] / tokens, weight=tokens)
+        if batch.pass_index == 0:  # rollout statistics once per iteration, not once per pass
+            mask = batch.completion_mask
+            lengths = mask.sum(-1).float()
+            m["reward"].update(batch.rewards)
+            m["reward_sq"].update(batch.rewards**2)
+            m["accuracy"].update(batch.correct.float())
+            m["length"].update(lengths)
+            m["length_max"].update(lengths)
+            m["truncated"].update(batch.truncated.float())
+            m["zero_variance"].update(batch.zero_variance.float())
+            # the rollout engine's log-probs against θ_k's, on the same tokens
+            delta = (batch.rollout_logprobs - old_logp) * mask
+            m["mismatch_abs"].update(delta.abs().sum() / tokens, weight=tokens)
+            m["mismatch_kl"].update(((torch.exp(-delta) + delta - 1) * mask).sum() / tokens, weight=tokens)
 
     # -- the update ------------------------------------------------------------------------------------
     def _optimizer_step(self) -> None:
@@ -140,6 +201,6 @@ class GRPOModule(LightningModule):
         grad_norm = torch.nn.utils.clip_grad_norm_(parameters, self.max_grad_norm if self.max_grad_norm else float("inf"))
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
+        self.metrics["grad_norm"].update(grad_norm)
         self.log("loss", loss_sum / max(total, 1e-12), on_step=False, on_epoch=True, batch_size=1)
-        self.log("grad_norm", grad_norm, on_step=False, on_epoch=True, batch_size=1)
         self._normaliser, self._loss_sum = 0.0, 0.0

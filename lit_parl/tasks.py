@@ -67,6 +67,10 @@ class DigitTask(ABC):
     def reward(self, answer_ids: Sequence[int], completion_ids: Sequence[int], eos_id: int) -> float:
         return positional_reward(answer_ids, completion_ids, eos_id)
 
+    def is_correct(self, reward: float) -> bool:
+        """Accuracy: only the exact answer followed by the end token scores 1.0."""
+        return reward >= 1.0
+
 
 class CopyTask(DigitTask):
     """``3917=`` → ``3917``."""

@@ -76,6 +76,9 @@ class Trajectory:
     reward: float
     advantage: float
     truncated: bool
+    shaped_reward: float | None = None  # the reward after the objective's shaping (None: same as reward)
+    correct: bool = False  # the task's notion of a correct answer (accuracy)
+    zero_variance: bool = False  # its group's (shaped) rewards were all equal
 
 
 @dataclass
@@ -89,13 +92,18 @@ class MicroBatch:
     tokens: PackedTokens
     rollout_logprobs: torch.Tensor  # [n, T] the sampler's log-probs, 0 off the completion mask
     advantages: torch.Tensor  # [n]
-    rewards: torch.Tensor  # [n]
+    rewards: torch.Tensor  # [n] the task's rewards
+    shaped_rewards: torch.Tensor  # [n] after the objective's reward shaping (what the advantages come from)
     truncated: torch.Tensor  # [n] bool: cut at the length limit
+    correct: torch.Tensor  # [n] bool
+    zero_variance: torch.Tensor  # [n] bool: the sample's group had all-equal rewards
     prompt_ids: list[int] = field(default_factory=list)
     sample_indices: list[int] = field(default_factory=list)
     version: int = -1
-    sample_offset: int = 0  # samples of this iteration trained before this micro-batch
+    sample_offset: int = 0  # samples of this pass over the iteration trained before this micro-batch
     iteration_samples: int = 0  # samples in the whole iteration
+    group_size: int = 0
+    pass_index: int = 0  # which pass over the iteration's samples (several with algorithm.passes > 1)
 
     @property
     def size(self) -> int:
@@ -127,6 +135,7 @@ def collate(
     packing: str = "auto",
     min_packing_gain: float = 1.5,
     max_row_tokens: int | None = None,
+    group_size: int = 0,
 ) -> MicroBatch:
     """``packing``: ``shared_prompt``, ``padded``, or ``auto``: shared-prompt packing when the padded layout
     would compute at least ``min_packing_gain`` times as many tokens (below that, the gathered attention
@@ -154,10 +163,14 @@ def collate(
         rollout_logprobs=rollout_logprobs,
         advantages=torch.tensor([t.advantage for t in ordered], dtype=torch.float32),
         rewards=torch.tensor([t.reward for t in ordered], dtype=torch.float32),
+        shaped_rewards=torch.tensor([t.reward if t.shaped_reward is None else t.shaped_reward for t in ordered], dtype=torch.float32),
         truncated=torch.tensor([t.truncated for t in ordered], dtype=torch.bool),
+        correct=torch.tensor([t.correct for t in ordered], dtype=torch.bool),
+        zero_variance=torch.tensor([t.zero_variance for t in ordered], dtype=torch.bool),
         prompt_ids=[t.prompt_id for t in ordered],
         sample_indices=[t.sample_index for t in ordered],
         version=versions.pop(),
         sample_offset=sample_offset,
         iteration_samples=iteration_samples,
+        group_size=group_size,
     )

@@ -533,8 +533,8 @@ def test_objective_clipping():
     terms.loss_sum.backward()
     torch.testing.assert_close(logp.grad[:, 0], torch.tensor(expected_grad), atol=1e-5, rtol=1e-5)
     assert torch.all(logp.grad[:, 1] == 0)
-    # tokens whose ratio left [1 - eps, 1 + eps] (masked tokens not counted): rows 0-3
-    assert float(terms.stats["clipped_tokens"]) == 4.0
+    # tokens whose gradient the clip removed (masked tokens not counted): rows 0 and 3
+    assert float(terms.stats["clipped_tokens"]) == sum(g == 0.0 for g in expected_grad) == 2.0
 
 
 def test_objective_kl_k3():
@@ -578,7 +578,7 @@ def test_objective_mask_excludes_tokens(aggregation):
     logp, advantages, mask = _hand_batch()
     old = logp.detach() + 0.05
     ref = logp.detach() - 0.3
-    objective = GRPOObjective(beta=0.1, loss_aggregation=aggregation)
+    objective = GRPOObjective(beta=0.1, loss_aggregation=aggregation, max_length=7)
     base = objective(logp, old, ref, advantages, mask)
     base.loss_sum.backward()
     assert torch.all(logp.grad[~mask] == 0)
