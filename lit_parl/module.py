@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import copy
 import time
+from collections.abc import Callable, Iterable
 
 import torch
 from lightning.pytorch import LightningModule
@@ -61,6 +62,7 @@ class GRPOModule(LightningModule):
         temperature: float = 1.0,
         attention_backend: str = "auto",
         logprob_chunk_size: int = 1024,
+        optimizer: Callable[[Iterable[torch.nn.Parameter]], torch.optim.Optimizer] | None = None,
     ) -> None:
         super().__init__()
         if mini_batches < 1 or passes < 1:
@@ -71,6 +73,7 @@ class GRPOModule(LightningModule):
         self.objective = objective
         self.tokenizer = tokenizer
         self.lr, self.weight_decay, self.betas = lr, weight_decay, tuple(betas)
+        self.optimizer_factory = optimizer  # e.g. functools.partial(torch.optim.SGD, lr=0.1); None: AdamW(lr, betas, weight_decay)
         self.max_grad_norm = max_grad_norm
         self.mini_batches = mini_batches  # optimizer steps per pass over the iteration's samples
         self.passes = passes  # passes over the iteration's samples
@@ -90,6 +93,8 @@ class GRPOModule(LightningModule):
 
     # -- Lightning hooks -------------------------------------------------------------------------------
     def configure_optimizers(self):
+        if self.optimizer_factory is not None:
+            return self.optimizer_factory(self.policy.parameters())
         return torch.optim.AdamW(self.policy.parameters(), lr=self.lr, betas=self.betas, weight_decay=self.weight_decay)
 
     def on_fit_start(self) -> None:

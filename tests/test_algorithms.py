@@ -1,0 +1,231 @@
+"""The GRPO family under streaming: the update equals a straightforward full-batch implementation,
+whatever the arrival order and micro-batch split, for every loss aggregation, with mini-batches and
+several passes; dynamic sampling keeps the group count and loses no prompt."""
+
+from __future__ import annotations
+
+import copy
+import functools
+import random
+
+import lightning
+import pytest
+import torch
+from lightning.pytorch import Callback
+
+from lit_parl import GRPOModule, GRPOObjective, RolloutDataModule, tiny_qwen2
+from lit_parl.callbacks import WeightSync
+from lit_parl.objectives import LOSS_AGGREGATIONS
+from lit_parl.rollout import RolloutPool
+from lit_parl.tasks import CopyTask
+from lit_parl.trajectory import Group, SamplingParams
+
+PROMPTS, G, MAX_NEW = 8, 4, 6
+LR = 0.5
+
+
+class ScriptedPool(RolloutPool):
+    """An in-process pool whose rollouts are a fixed function of (prompt_id, version): ragged completions,
+    rewards with some all-equal groups, handed out in a seeded order (as if some groups were slow)."""
+
+    def __init__(self, order_seed: int = 0, equal_every: int = 3) -> None:
+        self.order_seed = order_seed
+        self.equal_every = equal_every
+        self.version = None
+        self.requests = []
+        self.eos_id = None
+
+    def start(self, policy, reward_fn, eos_id, pad_id, colocated):
+        self.eos_id = eos_id
+
+    def sync_weights(self, named_tensors, version):
+        self.version = version
+
+    def generate(self, requests, sampling):
+        self.check_requests(requests)
+        self.requests.extend(requests)
+        groups = [self.rollout(r.prompt_id, r.version) for r in requests]
+        random.Random(self.order_seed + 1000 * self.version).shuffle(groups)
+        yield from groups
+
+    def rollout(self, prompt_id: int, version: int) -> Group:
+        rng = random.Random(f"{prompt_id}/{version}")
+        completions, rewards, reasons = [], [], []
+        for _ in range(G):
+            length = rng.randint(1, MAX_NEW)
+            tokens = [rng.randrange(3, 13) for _ in range(length)]
+            stop = rng.random() < 0.5
+            if stop:
+                tokens[-1] = self.eos_id
+            completions.append(tokens)
+            reasons.append("stop" if stop else "length")
+            rewards.append(0.5 if prompt_id % self.equal_every == 0 else rng.random())
+        return Group(prompt_id, version, list(range(G)), completions, [[-1.0] * len(c) for c in completions], rewards, reasons)
+
+    def health(self):
+        return {"backend": "scripted", "workers": int(self.eos_id is not None), "version": self.version}
+
+    def close(self):
+        pass
+
+
+def train(objective_kwargs: dict, iterations: int = 1, micro_batch_size: int = 8, order_seed: int = 0, packing: str = "auto", **module_kwargs):
+    policy, tokenizer = tiny_qwen2(seed=0)
+    initial = copy.deepcopy(policy)
+    # plain SGD and no clipping: the update is -lr x gradient, so a wrong normaliser (even a uniform
+    # factor, which Adam's first step and norm clipping would hide) shows in the weights
+    module = GRPOModule(policy, GRPOObjective(**objective_kwargs), tokenizer=tokenizer, max_grad_norm=None,
+                        optimizer=functools.partial(torch.optim.SGD, lr=LR), **module_kwargs)
+    pool = ScriptedPool(order_seed=order_seed)
+    data = RolloutDataModule(CopyTask(), pool, tokenizer, prompts_per_iteration=PROMPTS, group_size=G, micro_batch_size=micro_batch_size,
+                             sampling=SamplingParams(max_new_tokens=MAX_NEW), packing=packing, trainer_threads=1)
+    trainer = lightning.Trainer(accelerator="cpu", max_epochs=iterations, callbacks=[WeightSync()], logger=False,
+                                enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    trainer.fit(module, datamodule=data)
+    return module, initial, pool, data, tokenizer
+
+
+def reference_update(initial, pool: ScriptedPool, data: RolloutDataModule, objective: dict, mini_batches: int = 1, passes: int = 1):
+    """One iteration done the plain way: all rollouts first, per-sample unpadded forwards, the loss
+    written out per token, one AdamW step per mini-batch of schedule positions."""
+    model = copy.deepcopy(initial).train()
+    optimizer = torch.optim.SGD(model.parameters(), lr=LR)
+    eps_low = objective.get("clip_eps", 0.2)
+    eps_high = objective.get("clip_eps_high") or eps_low
+    mode = objective.get("loss_aggregation", "seq-mean-token-mean")
+    samples = []  # (slot, prompt ids, completion, advantage)
+    for slot in range(PROMPTS):
+        request = data.request(slot, 0)
+        group = pool.rollout(slot, 0)
+        r = torch.tensor(group.rewards, dtype=torch.float64)
+        adv = torch.zeros(G, dtype=torch.float64) if bool((r == r[0]).all()) else (r - r.mean()) / (r.std() + 1e-6)
+        for k in range(G):
+            samples.append((slot, list(request.prompt_ids), group.completions[k], float(adv[k])))
+
+    def logprobs(m, prompt, completion):
+        ids = torch.tensor([prompt + completion])
+        logits = m(input_ids=ids).logits[0, len(prompt) - 1 : len(prompt) - 1 + len(completion)]
+        return torch.log_softmax(logits.float(), -1).gather(-1, torch.tensor(completion)[:, None])[:, 0]
+
+    with torch.no_grad():
+        old = [logprobs(model, p, c) for _, p, c, _ in samples]
+    per_block = PROMPTS // mini_batches
+    for _ in range(passes):
+        for block in range(mini_batches):
+            members = [i for i, s in enumerate(samples) if s[0] // per_block == block]
+            total, normaliser = 0.0, 0.0
+            for i in members:
+                _, prompt, completion, adv = samples[i]
+                logp = logprobs(model, prompt, completion)
+                ratio = torch.exp(logp - old[i])
+                per_token = -torch.minimum(ratio * adv, ratio.clamp(1 - eps_low, 1 + eps_high) * adv)
+                if mode == "token-mean":
+                    total, normaliser = total + per_token.sum(), normaliser + len(completion)
+                elif mode == "seq-mean-token-sum":
+                    total, normaliser = total + per_token.sum(), normaliser + 1
+                elif mode == "seq-mean-token-mean":
+                    total, normaliser = total + per_token.mean(), normaliser + 1
+                else:  # seq-mean-token-sum-norm
+                    total, normaliser = total + per_token.sum(), normaliser + objective["max_length"]
+            optimizer.zero_grad()
+            (total / normaliser).backward()
+            optimizer.step()
+    return model
+
+
+def assert_same_weights(model_a, model_b, atol=1e-6):
+    for (name, a), b in zip(model_a.state_dict().items(), model_b.state_dict().values()):
+        torch.testing.assert_close(a, b, atol=atol, rtol=1e-4, msg=lambda m: f"{name}: {m}")
+
+
+@pytest.mark.parametrize("aggregation", LOSS_AGGREGATIONS)
+def test_streamed_update_equals_the_full_batch_update(aggregation):
+    objective = {"loss_aggregation": aggregation, "max_length": MAX_NEW}
+    reference = None
+    for micro_batch_size, order_seed, packing in [(8, 0, "shared_prompt"), (32, 1, "padded"), (4, 2, "auto")]:
+        module, initial, pool, data, _ = train(objective, micro_batch_size=micro_batch_size, order_seed=order_seed, packing=packing)
+        if reference is None:
+            reference = reference_update(initial, pool, data, objective)
+            moved = max((a - b).abs().max() for a, b in zip(reference.parameters(), initial.parameters()))
+            assert moved > 1e-3, "the reference step did not move the weights: the comparison would prove nothing"
+        assert_same_weights(module.policy, reference)
+
+
+@pytest.mark.parametrize("mini_batches,passes", [(2, 1), (1, 2), (2, 2), (4, 1)])
+def test_mini_batches_and_passes_equal_the_full_batch_implementation(mini_batches, passes):
+    objective = {"loss_aggregation": "token-mean", "clip_eps": 0.1, "clip_eps_high": 0.15}
+    first = None
+    for micro_batch_size, order_seed in [(4, 0), (8, 5)]:
+        module, initial, pool, data, _ = train(objective, micro_batch_size=micro_batch_size, order_seed=order_seed,
+                                               mini_batches=mini_batches, passes=passes)
+        assert module.trainer.global_step == mini_batches * passes
+        if first is None:
+            first = reference_update(initial, pool, data, objective, mini_batches=mini_batches, passes=passes)
+        assert_same_weights(module.policy, first)
+
+
+def test_later_passes_see_clipping_against_the_iteration_snapshot():
+    clip_fractions = []
+
+    class Recorder(Callback):
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            clip_fractions.append((batch.pass_index, float(pl_module.metrics["clip_fraction"].mean_value)))
+
+    policy, tokenizer = tiny_qwen2(seed=0)
+    module = GRPOModule(policy, GRPOObjective(clip_eps=0.01, loss_aggregation="token-mean"), tokenizer=tokenizer, lr=3e-2, passes=3)
+    data = RolloutDataModule(CopyTask(), ScriptedPool(), tokenizer, prompts_per_iteration=PROMPTS, group_size=G, micro_batch_size=32,
+                             sampling=SamplingParams(max_new_tokens=MAX_NEW), trainer_threads=1)
+    lightning.Trainer(max_epochs=1, callbacks=[WeightSync(), Recorder()], logger=False, enable_checkpointing=False,
+                      enable_progress_bar=False, enable_model_summary=False).fit(module, datamodule=data)
+    assert [p for p, _ in clip_fractions] == [0, 1, 2]
+    assert clip_fractions[0][1] == 0.0  # pass 0: the policy is θ_k, ratio 1
+    assert clip_fractions[-1][1] > 0.0  # later passes: the policy moved away from θ_k and the clip bites
+
+
+def test_dynamic_sampling_keeps_the_group_count_and_loses_no_prompt():
+    seen = []
+
+    class Recorder(Callback):
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            seen.append(batch)
+
+    policy, tokenizer = tiny_qwen2(seed=0)
+    module = GRPOModule(policy, GRPOObjective(dynamic_sampling=True, loss_aggregation="token-mean"), tokenizer=tokenizer)
+    pool = ScriptedPool(equal_every=3)  # prompt ids divisible by 3 give all-equal rewards
+    data = RolloutDataModule(CopyTask(), pool, tokenizer, prompts_per_iteration=PROMPTS, group_size=G, micro_batch_size=8,
+                             sampling=SamplingParams(max_new_tokens=MAX_NEW), trainer_threads=1)
+    lightning.Trainer(max_epochs=3, callbacks=[WeightSync(), Recorder()], logger=False, enable_checkpointing=False,
+                      enable_progress_bar=False, enable_model_summary=False).fit(module, datamodule=data)
+    requested = [r.prompt_id for r in pool.requests]
+    assert len(requested) == len(set(requested)), "a prompt was generated twice"
+    assert requested == list(range(len(requested))), "the cursor skipped prompts"
+    dropped = [p for p in requested if p % 3 == 0]
+    for iteration in range(3):
+        trained = [(p, s) for b in seen if b.version == iteration for p, s in zip(b.prompt_ids, b.sample_indices)]
+        prompts = {p for p, _ in trained}
+        assert len(prompts) == PROMPTS and len(trained) == PROMPTS * G, "dynamic sampling changed the group count"
+        assert not prompts & set(dropped), "a zero-variance group was trained"
+    # every drawn prompt was either trained exactly once or dropped
+    trained_ids = sorted(p for b in seen for p in set(b.prompt_ids))
+    assert sorted(trained_ids + dropped) == requested
+    assert sum(s.dropped_groups for s in data.history) == len(dropped)
+    assert data.cursor == len(requested)
+
+
+@pytest.mark.parametrize("preset", ["grpo", "dr_grpo", "dapo", "gspo", "rloo"])
+def test_every_preset_trains_through_the_cli(tmp_path, preset):
+    from hydra import compose, initialize_config_module
+
+    from lit_parl.cli import run
+
+    with initialize_config_module(config_module="lit_parl.conf", version_base="1.3"):
+        cfg = compose(config_name="config", overrides=[
+            f"algorithm={preset}", "iterations=2", f"run_dir={tmp_path}", "checkpoint_every=0",
+            "rollout.prompts_per_iteration=8", "rollout.micro_batch_size=16", "model.hidden_size=64", "model.intermediate_size=128",
+        ])
+    summary = run(cfg)
+    assert summary["iterations"] == 2
+    header = (tmp_path / "metrics.csv").read_text().splitlines()[0].split(",")
+    for column in ("reward", "reward_std", "accuracy", "length/mean", "length/max", "truncation_rate", "clip_fraction",
+                   "entropy", "zero_variance_share", "approx_kl", "grad_norm", "mismatch/logprob_abs_diff", "mismatch/kl"):
+        assert column in header, column
