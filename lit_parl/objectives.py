@@ -46,7 +46,7 @@ def kl_estimate(logp: torch.Tensor, ref_logp: torch.Tensor, estimator: str) -> t
 
 def aggregate(per_token: torch.Tensor, mask: torch.Tensor, mode: str, max_length: int | None) -> tuple[torch.Tensor, torch.Tensor]:
     """(un-normalised sum, normaliser) of ``per_token`` ``[B, T]`` over ``mask`` for aggregation ``mode``."""
-    masked = per_token * mask
+    masked = torch.where(mask > 0, per_token, torch.zeros_like(per_token))  # an inf off the mask must not become NaN
     tokens = mask.sum(-1)
     samples = torch.tensor(float(per_token.shape[0]), device=per_token.device)
     if mode == "token-mean":  # Σ_tokens / (tokens in the mini-batch)
@@ -77,7 +77,7 @@ class GRPOObjective:
             exp(mean_t(log π - log π_old)), clipped per sample).
         entropy_coef: subtracts coef·entropy per token (an exploration bonus); 0 skips computing it.
         tis_cap: truncated importance sampling against the rollout engine's log-probs: each token's
-            loss is weighted by min(π_old / π_rollout, tis_cap). None (default) is off: the method is
+            policy-gradient term (not the KL or entropy terms) is weighted by min(π_old / π_rollout, tis_cap). None (default) is off: the method is
             on-policy, and π_rollout differs from π_old only by the engine's numerics.
         dynamic_sampling: DAPO: groups whose rewards are all equal are dropped, and more prompts are
             drawn to keep the iteration's group count (done by the datamodule).
