@@ -258,11 +258,12 @@ class RolloutDataModule(LightningDataModule):
                 self.packing, self.min_packing_gain, self.max_row_tokens, self.group_size,
             )
             offset += len(chunk)
-            emitted.append(batch)
+            if self.passes > 1:  # kept for the later passes' replay
+                emitted.append(batch)
             return book(batch)
 
         open_slots = list(range(N))
-        for round_index in range(self.max_sampling_rounds if self.dynamic_sampling else 1):
+        for _ in range(self.max_sampling_rounds if self.dynamic_sampling else 1):
             if not open_slots:
                 break
             requests = {}
@@ -284,7 +285,7 @@ class RolloutDataModule(LightningDataModule):
                         f"iteration {self.iterations_done}: the pool stopped with prompts {sorted(waiting)[:10]} "
                         f"({len(waiting)} in all) never returned: refusing to lose trajectories"
                     )
-                slot = slot_of[group.prompt_id] if group.prompt_id in slot_of else -1
+                slot = slot_of.get(group.prompt_id, -1)
                 trajectories = self._accept(group, waiting, version, stats)
                 if not waiting:
                     # Lightning knows the stream's length and never asks past it: drain the pool's stream

@@ -102,7 +102,7 @@ def sample_groups(
         chosen_logprob = token_logprobs.gather(-1, choice[:, None])[:, 0].tolist()
         is_stop = torch.isin(choice, stops).tolist()
         finished_requests = []
-        for row, ((i, s), token, lp, stop) in enumerate(zip(rows, choice.tolist(), chosen_logprob, is_stop)):
+        for (i, s), token, lp, stop in zip(rows, choice.tolist(), chosen_logprob, is_stop):
             if stopped[i][s]:
                 continue
             tokens[i][s].append(token)
