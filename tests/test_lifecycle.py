@@ -299,7 +299,7 @@ def _compose_and_build(tmp_path: Path, overrides: list[str]):
         (["model=pretrained", "model.path=/does/not/exist"], InstantiationException, ["/does/not/exist", "config.json"]),
         (["model=pretrained"], MissingMandatoryValue, ["model.path"]),
         (["rollout.mode=bogus"], ValueError, ["bogus", "async", "sync"]),
-        (["algorithm.mini_batches=3"], ValueError, ["algorithm.mini_batches=3", "256", "micro_batch_size=64"]),
+        (["algorithm.mini_batches=3"], ValueError, ["algorithm.mini_batches=3", "32 prompts", "micro_batch_size=64"]),
     ],
     ids=["group_size", "micro_batch_size", "task", "rollout", "model_path", "model_path_missing", "mode", "mini_batches"],
 )
