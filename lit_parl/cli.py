@@ -16,7 +16,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger
 from omegaconf import DictConfig, OmegaConf
 
-from lit_parl.callbacks import HFExport, RunSummary, WeightSync
+from lit_parl.callbacks import HFExport, PipelineTimeline, RunSummary, WeightSync
 from lit_parl.datamodule import RolloutDataModule, check_mini_batches
 from lit_parl.kernels.attention import resolve_backend
 from lit_parl.module import GRPOModule
@@ -65,7 +65,12 @@ def build(cfg: DictConfig) -> tuple[GRPOModule, RolloutDataModule, lightning.Tra
     check_mini_batches(rollout.prompts_per_iteration, rollout.group_size, rollout.micro_batch_size, algorithm.mini_batches)
     if objective.kl_in_reward and rollout.micro_batch_size % rollout.group_size:
         raise ValueError("algorithm.objective.kl_in_reward needs whole groups per micro-batch: make rollout.micro_batch_size a multiple of group_size")
-    callbacks = [WeightSync(), RunSummary(dirpath=str(run_dir)), HFExport(dirpath=str(run_dir / "policy"))]
+    callbacks = [
+        WeightSync(),
+        RunSummary(dirpath=str(run_dir)),
+        PipelineTimeline(dirpath=str(run_dir)),
+        HFExport(dirpath=str(run_dir / "policy")),
+    ]
     if cfg.checkpoint_every:
         callbacks.append(ModelCheckpoint(dirpath=run_dir / "checkpoints", every_n_epochs=cfg.checkpoint_every, save_last=True, save_top_k=-1))
     trainer = instantiate(

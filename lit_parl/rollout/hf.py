@@ -1,9 +1,10 @@
 """The embedded rollout pool: spawned worker processes sampling with a transformers model.
 
 Weights travel through shared memory: the trainer copies the policy into shared tensors, each worker
-copies them into its own model and confirms the version. Requests go out in chunks of
-``prompts_per_request`` prompts, one chunk per idle worker, so groups stream back while later chunks
-are still being generated. Workers score their groups, so scoring overlaps training too.
+copies them into its own model and confirms the version. The iteration's requests go out at once, in
+chunks of ``prompts_per_request`` prompts spread round-robin over the workers. A worker emits each
+group as soon as it is finished and goes straight on with its next chunk while the trainer trains.
+Workers score their groups, so scoring overlaps training too.
 
 Example::
 
@@ -215,14 +216,13 @@ class HFRolloutPool(RolloutPool):
         self.check_requests(requests)
         self._intervals = []
         chunks = [requests[i : i + self.prompts_per_request] for i in range(0, len(requests), self.prompts_per_request)]
-        chunks.reverse()  # pop() hands them out in order
+        # Hand every chunk out now, round-robin: a worker must not wait for the trainer to ask for the next
+        # group (the caller trains between two groups, and the workers keep generating meanwhile).
+        for i, chunk in enumerate(chunks):
+            self._inboxes[i % self.num_workers].put(("generate", chunk, sampling))
+        busy = len(chunks)
         waiting = {r.prompt_id for r in requests}
-        idle = list(range(self.num_workers))
-        busy = 0
         while waiting:
-            while idle and chunks:
-                self._inboxes[idle.pop()].put(("generate", chunks.pop(), sampling))
-                busy += 1
             kind, worker_id, *rest = self._receive(self.response_timeout_s, "generating")
             if kind == "group":
                 group = rest[0]
@@ -232,7 +232,6 @@ class HFRolloutPool(RolloutPool):
                 yield group
             elif kind == "chunk_done":
                 self._intervals.append((rest[0], rest[1]))
-                idle.append(worker_id)
                 busy -= 1
             else:
                 raise RuntimeError(f"rollout worker {worker_id} sent unexpected {kind!r} while generating")
