@@ -256,3 +256,32 @@ def test_shared_prompt_packing_trains_the_same_weights_as_padded_rows():
     # Different kernels sum in different orders (~1e-7 relative). Adam divides by sqrt(v), which magnifies
     # that on near-zero gradient entries, up to a few 1e-6: still under 1% of one step (lr 5e-4).
     _assert_same_weights(weights["padded"], weights["shared_prompt"], atol=1e-5)
+
+
+def test_timeline_shows_overlap_inside_iterations_and_none_across(tmp_path):
+    """From the workers' own timestamps: generation of iteration k+1 starts only after iteration k's last
+    training step, and the trainer starts on iteration k's groups while the pool is still generating them."""
+    import json
+
+    from lit_parl.callbacks import PipelineTimeline
+    from lit_parl.callbacks.pipeline_timeline import _union_length, overlap_efficiency
+
+    assert overlap_efficiency(gen_busy=1.0, train_busy=2.0, wall=2.0) == 1.0  # generation fully hidden
+    assert overlap_efficiency(gen_busy=1.0, train_busy=2.0, wall=3.0) == 0.0  # took turns
+    assert _union_length([(0.0, 2.0), (1.0, 3.0), (5.0, 6.0)]) == 4.0
+
+    timeline = PipelineTimeline(dirpath=str(tmp_path))
+    pool = HFRolloutPool(num_workers=1, threads_per_worker=1, prompts_per_request=1, colocated_threads=1)
+    module, data = make_components(pool=pool, prompts=8, group_size=4, micro_batch_size=4)
+    fit(module, data, iterations=3, callbacks=[timeline])
+    iterations = json.loads((tmp_path / "timeline.json").read_text())
+    assert (tmp_path / "timeline.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert len(iterations) == 3
+    for previous, current in zip(iterations, iterations[1:]):
+        assert current["sync"][0][0] >= previous["train"][-1][1], "weights synced before the last step of the iteration"
+        assert current["generate"][0][0] >= current["sync"][0][1], "generation started before the sync finished"
+    for it in iterations:
+        # 8 chunks of one prompt each: the worker generates later chunks while the trainer trains earlier groups
+        overlapping = [(g, t) for g in it["generate"] for t in it["train"] if t[0] < g[1] and g[0] < t[1]]
+        assert overlapping, f"iteration {it['iteration']}: generation and training never ran at the same time"
+        assert it["gen_busy_s"] > 0 and it["train_busy_s"] > 0
