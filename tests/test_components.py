@@ -799,3 +799,13 @@ def test_cli_run_summary_metrics_and_hf_export(tmp_path, monkeypatch, capsys):
     torch.testing.assert_close(exported_logits, trained_logits, atol=1e-6, rtol=1e-6)
     assert (trained_logits - initial_logits).abs().max() > 1e-4, "two iterations of training changed nothing"
     assert loaded.config.vocab_size == len(loaded_tok)
+
+
+def test_micro_batch_transfer_skips_the_walk_on_its_own_device_and_moves_everything_otherwise(model, tok):
+    trajectories = _trajectories(tok)
+    batch = collate(trajectories, tok.pad_token_id, sample_offset=0, iteration_samples=4, packing="shared_prompt")
+    module = GRPOModule(model, GRPOObjective(), tokenizer=tok)
+    assert module.transfer_batch_to_device(batch, torch.device("cpu"), 0) is batch
+    moved = module.transfer_batch_to_device(batch, torch.device("meta"), 0)
+    assert moved.advantages.is_meta and moved.tokens.input_ids.is_meta
+    assert moved.tokens.attention.segment_ids.is_meta and moved.tokens.attention.buckets[0].allowed.is_meta
