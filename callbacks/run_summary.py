@@ -5,9 +5,9 @@ side). Writes ``summary.json`` to ``dirpath`` and prints ``lit_parl summary: {js
 
 Example::
 
-    trainer = lightning.Trainer(callbacks=[WeightSync(), RunSummary()])
-    trainer.fit(module, datamodule=data)
-    trainer.callbacks[-1].summary["reward_last10"]
+    summary = RunSummary()
+    lightning.Trainer(callbacks=[WeightSync(), summary]).fit(module, datamodule=data)
+    summary.summary["reward_last10"]
 """
 
 from __future__ import annotations
