@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 
 import torch
 from lightning.pytorch import LightningDataModule
+from lightning.pytorch.accelerators import CPUAccelerator
 from torch.utils.data import DataLoader, IterableDataset
 from transformers import PreTrainedTokenizerBase
 
@@ -49,7 +50,6 @@ class IterationStats:
     completed_at: float = 0.0
     completions: int = 0
     completion_tokens: int = 0
-    truncated: int = 0
     reward_sum: float = 0.0
     prompts_drawn: int = 0
     dropped_groups: int = 0  # zero-variance groups dropped by dynamic sampling
@@ -165,7 +165,7 @@ class RolloutDataModule(LightningDataModule):
         colocated = self.mode == "sync"
         if self.trainer_threads is not None:
             torch.set_num_threads(self.trainer_threads)
-        elif self.trainer is not None and self.trainer.accelerator.__class__.__name__ == "CPUAccelerator":
+        elif self.trainer is not None and isinstance(self.trainer.accelerator, CPUAccelerator):
             cpus = torch.get_num_threads() if colocated else torch.get_num_threads() - self.pool.reserved_cpus(colocated)
             torch.set_num_threads(max(1, cpus))
         if self.pool.health().get("workers", 0) == 0:
@@ -353,7 +353,6 @@ class RolloutDataModule(LightningDataModule):
         is_correct = getattr(self.task, "is_correct", lambda reward: reward >= 1.0)
         stats.completions += self.group_size
         stats.completion_tokens += int(lengths.sum())
-        stats.truncated += int(truncated.sum())
         stats.reward_sum += float(rewards.sum())
         return [
             Trajectory(
