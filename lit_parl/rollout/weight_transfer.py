@@ -1,0 +1,87 @@
+"""Moving policy weights to inference servers: the three ways SGLang accepts them.
+
+- ``serialize_named_tensors``: the ``/update_weights_from_tensor`` payload (same node). Tensors are
+  pickled with torch's multiprocessing reductions, as SGLang's ``MultiprocessingSerializer`` does, then
+  base64-encoded: CUDA tensors travel as IPC handles, never as bytes. CPU tensors go through shared
+  memory files (the ``file_system`` strategy), so a server on the same machine can open them.
+- ``init_weight_update_group``: a process group of its own between the trainer (rank 0) and the
+  servers' ranks, for ``/update_weights_from_distributed``. It is built like SGLang builds its side
+  (TCP rendezvous, a store prefixed by the group name, a fresh process group), without touching the
+  trainer's default group, which Lightning owns.
+- ``save_for_disk_update``: a safetensors checkpoint for ``/update_weights_from_disk``.
+"""
+
+from __future__ import annotations
+
+import base64
+import inspect
+import io
+import shutil
+from collections.abc import Iterable
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.multiprocessing as torch_mp
+from multiprocessing.reduction import ForkingPickler
+
+
+def serialize_named_tensors(named_tensors: list[tuple[str, torch.Tensor]]) -> str:
+    """``[(name, tensor)]`` as SGLang's ``MultiprocessingSerializer.serialize(..., output_str=True)`` writes it.
+
+    The caller must keep the tensors alive until the server has answered (it maps their memory).
+    """
+    previous = torch_mp.get_sharing_strategy()
+    on_cpu = any(not t.is_cuda for _, t in named_tensors)
+    if on_cpu:  # a file descriptor cannot cross an HTTP request; a shared-memory file name can
+        torch_mp.set_sharing_strategy("file_system")
+    try:
+        buffer = io.BytesIO()
+        ForkingPickler(buffer).dump(named_tensors)
+    finally:
+        if on_cpu:
+            torch_mp.set_sharing_strategy(previous)
+    return base64.b64encode(buffer.getvalue()).decode("ascii")
+
+
+def deserialize_named_tensors(payload: str) -> list[tuple[str, torch.Tensor]]:
+    """The inverse of ``serialize_named_tensors`` (what a server does with the payload)."""
+    import pickle
+
+    return pickle.loads(base64.b64decode(payload))
+
+
+def init_weight_update_group(
+    master_address: str, master_port: int, rank: int, world_size: int, group_name: str, backend: str, timeout_s: float = 600.0
+) -> torch.distributed.ProcessGroup:
+    """Join the weight-update group (rank 0: the trainer, which hosts the rendezvous store)."""
+    from torch.distributed.distributed_c10d import Backend, PrefixStore, _new_process_group_helper, _world, rendezvous
+
+    timeout = timedelta(seconds=timeout_s)
+    store, rank, world_size = next(rendezvous(f"tcp://{master_address}:{master_port}", rank, world_size, timeout=timeout))
+    store.set_timeout(timeout)
+    store = PrefixStore(group_name, store)
+    # the keyword for backend options was renamed across torch releases
+    options = "backend_options" if "backend_options" in inspect.signature(_new_process_group_helper).parameters else "pg_options"
+    group, _ = _new_process_group_helper(world_size, rank, [], Backend(backend), store, group_name=group_name, timeout=timeout, **{options: None})
+    _world.pg_group_ranks[group] = {i: i for i in range(world_size)}
+    return group
+
+
+def broadcast_from_trainer(group: torch.distributed.ProcessGroup, tensors: Iterable[torch.Tensor]) -> None:
+    """Send each tensor from rank 0, in order (the servers receive in the order of the request's names)."""
+    for tensor in tensors:
+        torch.distributed.broadcast(tensor.contiguous(), src=0, group=group)
+
+
+def save_for_disk_update(named_tensors: list[tuple[str, torch.Tensor]], config_dir: str | Path, out_dir: str | Path) -> Path:
+    """Write ``model.safetensors`` (and the model's ``config.json``) into ``out_dir`` for a disk update."""
+    from safetensors.torch import save_file
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    save_file({name: t.detach().to("cpu").contiguous() for name, t in named_tensors}, str(out / "model.safetensors"))
+    config = Path(config_dir) / "config.json"
+    if config.exists():
+        shutil.copy(config, out / "config.json")
+    return out

@@ -1,0 +1,191 @@
+"""A stand-in for an SGLang server, for tests on a machine without a GPU. It is not SGLang.
+
+It accepts ``sglang.launch_server``'s arguments that the pool passes and implements the native HTTP
+endpoints the pool uses, with SGLang's request and response shapes, over a transformers model loaded
+from ``--model-path``:
+
+``/health``, ``/health_generate``, ``/generate`` (single or batched ``input_ids``, ``sampling_params`` as
+one dict or a list, ``n``, ``sampling_seed``, ``stop_token_ids``, ``return_logprob``; answers with
+``output_ids`` and ``meta_info.output_token_logprobs`` / ``finish_reason`` / ``weight_version``),
+``/get_weight_version``, ``/update_weights_from_disk``, ``/update_weights_from_tensor``,
+``/init_weights_update_group``, ``/update_weights_from_distributed`` (gloo here, NCCL in SGLang),
+``/pause_generation``, ``/continue_generation``, ``/flush_cache``.
+
+Faults for the tests: ``--die-after-generates N`` exits abruptly while answering the (N+1)-th
+``/generate``; ``--malformed`` drops ``meta_info`` from answers; ``--stale-version`` accepts updates but
+keeps its weight version; ``--exit-at-start`` exits with code 3 before serving.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import sys
+
+import torch
+from aiohttp import web
+from transformers import AutoModelForCausalLM
+
+from lit_parl.rollout.sampling import sample_groups
+from lit_parl.rollout.weight_transfer import deserialize_named_tensors, init_weight_update_group
+from lit_parl.trajectory import GroupRequest, SamplingParams
+
+
+class StandIn:
+    def __init__(self, args: argparse.Namespace) -> None:
+        torch.set_num_threads(1)
+        self.args = args
+        self.model = AutoModelForCausalLM.from_pretrained(args.model_path, attn_implementation="sdpa").eval()
+        self.weight_version = "default"
+        self.paused = False
+        self.generates = 0
+        self.group = None
+        self.lock = asyncio.Lock()  # one model call at a time, like a scheduler's batch
+
+    # -- generation ------------------------------------------------------------------------------------
+    async def generate(self, request: web.Request) -> web.Response:
+        body = await request.json()
+        self.generates += 1
+        if self.args.die_after_generates is not None and self.generates > self.args.die_after_generates:
+            os._exit(1)  # a crash mid-request: the client sees the connection drop
+        if self.paused:
+            return web.json_response({"error": "generation is paused"}, status=503)
+        batched = isinstance(body["input_ids"][0], list)
+        prompts = body["input_ids"] if batched else [body["input_ids"]]
+        params = body.get("sampling_params", {})
+        params = params if isinstance(params, list) else [params] * len(prompts)
+        outputs = []
+        async with self.lock:
+            for prompt, p in zip(prompts, params):
+                n = int(p.get("n", 1))
+                seed = p.get("sampling_seed")
+                seeds = [seed + k if seed is not None else int(torch.randint(0, 2**62, ())) for k in range(n)]
+                outputs += await asyncio.to_thread(self._sample, prompt, p, seeds, bool(body.get("return_logprob")))
+        return web.json_response(outputs if batched or len(outputs) > 1 else outputs[0])
+
+    def _sample(self, prompt: list[int], p: dict, seeds: list[int], return_logprob: bool) -> list[dict]:
+        stops = list(p.get("stop_token_ids") or [])
+        sampling = SamplingParams(
+            max_new_tokens=int(p.get("max_new_tokens", 128)),
+            temperature=float(p.get("temperature", 1.0)),
+            top_p=float(p.get("top_p", 1.0)),
+            top_k=max(0, int(p.get("top_k", -1))),
+            stop_token_ids=tuple(stops[1:]),
+        )
+        eos = stops[0] if stops else self.model.config.eos_token_id
+        request = GroupRequest(prompt_id=0, prompt_ids=tuple(prompt), answer_ids=(), version=0, seeds=tuple(seeds))
+        (sampled,) = list(sample_groups(self.model, [request], sampling, eos, eos))
+        outputs = []
+        for tokens, logprobs, reason in zip(sampled.completions, sampled.logprobs, sampled.finish_reasons):
+            meta = {
+                "finish_reason": {"type": reason, "matched": tokens[-1]} if reason == "stop" else {"type": "length", "length": len(tokens)},
+                "prompt_tokens": len(prompt),
+                "completion_tokens": len(tokens),
+                "weight_version": self.weight_version,
+            }
+            if return_logprob:
+                meta["output_token_logprobs"] = [[lp, t, None] for lp, t in zip(logprobs, tokens)]
+            output = {"output_ids": tokens, "meta_info": meta}
+            if self.args.malformed:
+                output = {"output_ids": tokens}
+            outputs.append(output)
+        return outputs
+
+    # -- weights ---------------------------------------------------------------------------------------
+    def _load(self, named: list[tuple[str, torch.Tensor]], version: str | None) -> None:
+        parameters = dict(self.model.named_parameters())
+        with torch.no_grad():
+            for name, tensor in named:
+                parameters[name].copy_(tensor)
+        if version is not None and not self.args.stale_version:
+            self.weight_version = version
+
+    async def update_from_disk(self, request: web.Request) -> web.Response:
+        body = await request.json()
+        from safetensors.torch import load_file
+
+        named = list(load_file(os.path.join(body["model_path"], "model.safetensors")).items())
+        self._load(named, body.get("weight_version"))
+        return web.json_response({"success": True, "message": "ok", "num_paused_requests": 0})
+
+    async def update_from_tensor(self, request: web.Request) -> web.Response:
+        body = await request.json()
+        named = deserialize_named_tensors(body["serialized_named_tensors"][0])  # rank 0's share (tp 1)
+        self._load(named, body.get("weight_version"))
+        return web.json_response({"success": True, "message": "ok"})
+
+    async def init_group(self, request: web.Request) -> web.Response:
+        body = await request.json()
+        self.group = await asyncio.to_thread(
+            init_weight_update_group,
+            body["master_address"], body["master_port"], body["rank_offset"], body["world_size"], body["group_name"], "gloo",
+        )
+        return web.json_response({"success": True, "message": "ok"})
+
+    async def update_from_distributed(self, request: web.Request) -> web.Response:
+        body = await request.json()
+        if self.group is None:
+            return web.json_response({"success": False, "message": "no weight update group"}, status=400)
+
+        def receive():
+            named = []
+            for name, dtype, shape in zip(body["names"], body["dtypes"], body["shapes"]):
+                tensor = torch.empty(shape, dtype=getattr(torch, dtype))
+                torch.distributed.broadcast(tensor, src=0, group=self.group)
+                named.append((name, tensor))
+            return named
+
+        self._load(await asyncio.to_thread(receive), body.get("weight_version"))
+        return web.json_response({"success": True, "message": "ok"})
+
+    async def get_weight_version(self, request: web.Request) -> web.Response:
+        return web.json_response({"weight_version": self.weight_version})
+
+    async def pause(self, request: web.Request) -> web.Response:
+        self.paused = True
+        return web.json_response({"message": "Generation paused successfully.", "status": "ok"})
+
+    async def resume(self, request: web.Request) -> web.Response:
+        self.paused = False
+        return web.json_response({"message": "Generation continued successfully.", "status": "ok"})
+
+    async def flush_cache(self, request: web.Request) -> web.Response:
+        return web.Response(text="Cache flushed.\n")
+
+    async def health(self, request: web.Request) -> web.Response:
+        return web.Response(status=200)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--model-path", required=True)
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=30000)
+    parser.add_argument("--tp-size", type=int, default=1)
+    parser.add_argument("--die-after-generates", type=int, default=None)
+    parser.add_argument("--malformed", action="store_true")
+    parser.add_argument("--stale-version", action="store_true")
+    parser.add_argument("--exit-at-start", action="store_true")
+    args, _ = parser.parse_known_args()  # --skip-tokenizer-init, --mem-fraction-static, ...: SGLang's, ignored
+    if args.exit_at_start:
+        print("stand-in: exiting at start as asked", flush=True)
+        sys.exit(3)
+    server = StandIn(args)
+    app = web.Application(client_max_size=1 << 30)
+    app.router.add_get("/health", server.health)
+    app.router.add_get("/health_generate", server.health)
+    app.router.add_post("/generate", server.generate)
+    app.router.add_get("/get_weight_version", server.get_weight_version)
+    app.router.add_post("/update_weights_from_disk", server.update_from_disk)
+    app.router.add_post("/update_weights_from_tensor", server.update_from_tensor)
+    app.router.add_post("/init_weights_update_group", server.init_group)
+    app.router.add_post("/update_weights_from_distributed", server.update_from_distributed)
+    app.router.add_post("/pause_generation", server.pause)
+    app.router.add_post("/continue_generation", server.resume)
+    app.router.add_post("/flush_cache", server.flush_cache)
+    web.run_app(app, host=args.host, port=args.port, print=None)
+
+
+if __name__ == "__main__":
+    main()

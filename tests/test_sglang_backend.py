@@ -1,0 +1,300 @@
+"""The SGLang pool against a stand-in server (tests/sglang_standin.py: SGLang's endpoints over a tiny
+transformers model; it is not SGLang, which needs a GPU). What is checked here is the pool's side of the
+protocol: launch and attach, the three weight-sync methods and their confirmation, generation with
+per-sample seeds and log-probs, retries when a server dies, clear errors, and a training run."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from lit_parl.model import tiny_qwen2
+from lit_parl.rollout.sglang import MalformedResponse, SGLangRolloutPool
+from lit_parl.tasks import CopyTask
+from lit_parl.trajectory import GroupRequest, SamplingParams, sample_seed
+
+pytest.importorskip("aiohttp")
+
+STANDIN = [sys.executable, str(Path(__file__).with_name("sglang_standin.py"))]
+SAMPLING = SamplingParams(max_new_tokens=5, temperature=0.7)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def alive(pid: int) -> bool:
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except FileNotFoundError:
+        return False
+    return "State:\tZ" not in status
+
+
+def requests_for(version: int, prompts: int = 4, group_size: int = 4, first: int = 0) -> list[GroupRequest]:
+    task = CopyTask(seed=0)
+    _, tokenizer = tiny_qwen2()
+    out = []
+    for prompt_id in range(first, first + prompts):
+        text, answer = task.make(prompt_id)
+        out.append(GroupRequest(
+            prompt_id=prompt_id,
+            prompt_ids=tuple(tokenizer(text, add_special_tokens=False).input_ids),
+            answer_ids=tuple(tokenizer(answer, add_special_tokens=False).input_ids),
+            version=version,
+            seeds=tuple(sample_seed(0, version, prompt_id, s) for s in range(group_size)),
+        ))
+    return out
+
+
+def start_pool(model, tokenizer, **kwargs) -> SGLangRolloutPool:
+    kwargs.setdefault("launch_command", STANDIN)
+    kwargs.setdefault("port", free_port())
+    kwargs.setdefault("start_timeout_s", 120)
+    pool = SGLangRolloutPool(**kwargs)
+    pool.start(model, CopyTask(seed=0), eos_id=tokenizer.eos_token_id, pad_id=tokenizer.pad_token_id, colocated=False)
+    return pool
+
+
+def launch_standin(model_dir: Path, *flags: str) -> tuple[subprocess.Popen, str]:
+    port = free_port()
+    process = subprocess.Popen([*STANDIN, "--model-path", str(model_dir), "--port", str(port), *flags],
+                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        with socket.socket() as s:
+            if s.connect_ex(("127.0.0.1", port)) == 0:
+                return process, url
+        time.sleep(0.2)
+    process.kill()
+    raise RuntimeError("stand-in did not start")
+
+
+@pytest.fixture()
+def saved_model(tmp_path):
+    model, tokenizer = tiny_qwen2(seed=0)
+    model.save_pretrained(tmp_path / "model")
+    return model, tokenizer, tmp_path / "model"
+
+
+def trainer_logprobs(model, prompt: tuple[int, ...], completion: list[int], temperature: float) -> torch.Tensor:
+    """The trainer's view: log p(completion | prompt) at logits / T, from one plain forward pass."""
+    ids = torch.tensor([list(prompt) + completion])
+    with torch.no_grad():
+        logits = model(ids).logits[0, len(prompt) - 1 : -1].float() / temperature
+    return logits.log_softmax(-1).gather(-1, torch.tensor(completion)[:, None])[:, 0]
+
+
+# ------------------------------------------------------------------------------------------------------
+# start: launch, attach, and the errors when a server is not there
+# ------------------------------------------------------------------------------------------------------
+def test_attaching_to_a_server_that_is_down_names_its_url():
+    model, tokenizer = tiny_qwen2()
+    url = f"http://127.0.0.1:{free_port()}"
+    pool = SGLangRolloutPool(urls=[url], attach_timeout_s=1.5)
+    with pytest.raises(RuntimeError, match=f"SGLang server {url} is not healthy"):
+        pool.start(model, CopyTask(), eos_id=tokenizer.eos_token_id, pad_id=tokenizer.pad_token_id, colocated=False)
+    assert pool.health()["workers"] == 0
+
+
+def test_a_launched_server_that_exits_reports_its_log():
+    model, tokenizer = tiny_qwen2()
+    with pytest.raises(RuntimeError, match=r"exited with code 3 while starting(.|\n)*exiting at start as asked"):
+        start_pool(model, tokenizer, launch_command=[*STANDIN, "--exit-at-start"])
+
+
+def test_bad_configuration_is_refused_before_anything_starts():
+    with pytest.raises(ValueError, match="sync_method='nccl'"):
+        SGLangRolloutPool(sync_method="nccl")
+    with pytest.raises(ValueError, match="gpu_ids has 2 GPUs; 2 servers x tp_size 2 need 4"):
+        SGLangRolloutPool(num_servers=2, tp_size=2, gpu_ids=[0, 1])
+
+
+# ------------------------------------------------------------------------------------------------------
+# weight sync by each method: confirmed version, outputs of exactly the synced weights
+# ------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("method", ["tensor", "distributed", "disk"])
+def test_each_sync_method_serves_exactly_the_synced_weights(method):
+    model, tokenizer = tiny_qwen2(seed=0)
+    pool = start_pool(model, tokenizer, num_servers=2, sync_method=method, dist_backend="gloo", dist_master_port=free_port())
+    pids = pool.launched_pids()
+    try:
+        assert len(pids) == 2 and all(alive(p) for p in pids)
+        pool.sync_weights(model.named_parameters(), version=0)
+        assert pool.version == 0
+        groups = {g.prompt_id: g for g in pool.generate(requests_for(0), SAMPLING)}
+        assert sorted(groups) == [0, 1, 2, 3] and {g.version for g in groups.values()} == {0}
+        request = requests_for(0)[0]
+        for completion, logprobs in zip(groups[0].completions, groups[0].logprobs):
+            torch.testing.assert_close(torch.tensor(logprobs), trainer_logprobs(model, request.prompt_ids, completion, 0.7), atol=1e-4, rtol=0)
+        # distinct seeds within a group give distinct samples; the same seeds give the same samples
+        assert len({tuple(c) for g in groups.values() for c in g.completions}) > 4
+        again = {g.prompt_id: g for g in pool.generate(requests_for(0), SAMPLING)}
+        assert all(again[i].completions == groups[i].completions for i in groups)
+
+        # version 1: other weights; the servers must serve exactly those
+        changed, _ = tiny_qwen2(seed=1)
+        pool.sync_weights(changed.named_parameters(), version=1)
+        after = {g.prompt_id: g for g in pool.generate(requests_for(1), SAMPLING)}
+        assert {g.version for g in after.values()} == {1}
+        for completion, logprobs in zip(after[0].completions, after[0].logprobs):
+            torch.testing.assert_close(torch.tensor(logprobs), trainer_logprobs(changed, request.prompt_ids, completion, 0.7), atol=1e-4, rtol=0)
+            assert not torch.allclose(torch.tensor(logprobs), trainer_logprobs(model, request.prompt_ids, completion, 0.7), atol=1e-3)
+    finally:
+        pool.close()
+    assert not any(alive(p) for p in pids)
+
+
+def test_a_version_the_servers_do_not_confirm_is_an_error(saved_model):
+    model, tokenizer, model_dir = saved_model
+    process, url = launch_standin(model_dir, "--stale-version")
+    pool = SGLangRolloutPool(urls=[url], sync_method="disk")
+    try:
+        pool.start(model, CopyTask(), eos_id=tokenizer.eos_token_id, pad_id=tokenizer.pad_token_id, colocated=False)
+        with pytest.raises(RuntimeError, match=rf"sync to version 0 was not confirmed: .*'{url}', 'default'"):
+            pool.sync_weights(model.named_parameters(), version=0)
+        assert pool.version is None
+        with pytest.raises(RuntimeError, match="no weights yet"):
+            next(pool.generate(requests_for(0), SAMPLING))
+    finally:
+        pool.close()
+        process.kill()
+        process.wait()
+
+
+def test_requests_of_another_version_are_refused():
+    model, tokenizer = tiny_qwen2()
+    pool = start_pool(model, tokenizer, sync_method="disk")
+    try:
+        pool.sync_weights(model.named_parameters(), version=3)
+        with pytest.raises(RuntimeError, match=r"version gate: requests for policy version\(s\) \[2\]"):
+            next(pool.generate(requests_for(2), SAMPLING))
+    finally:
+        pool.close()
+
+
+# ------------------------------------------------------------------------------------------------------
+# failures while generating
+# ------------------------------------------------------------------------------------------------------
+def test_a_server_dying_mid_iteration_loses_and_duplicates_nothing(saved_model):
+    """Two attached servers; one crashes while answering its third request. Its groups are generated again
+    on the other server, every prompt comes back exactly once, with the same samples it would have had."""
+    model, tokenizer, model_dir = saved_model
+    dying, dying_url = launch_standin(model_dir, "--die-after-generates", "2")
+    healthy, healthy_url = launch_standin(model_dir)
+    pool = SGLangRolloutPool(urls=[dying_url, healthy_url], sync_method="disk", max_retries=2)
+    try:
+        pool.start(model, CopyTask(), eos_id=tokenizer.eos_token_id, pad_id=tokenizer.pad_token_id, colocated=False)
+        pool.sync_weights(model.named_parameters(), version=0)
+        with pytest.warns(RuntimeWarning, match=f"SGLang server {dying_url} is down"):
+            groups = list(pool.generate(requests_for(0, prompts=12), SAMPLING))
+        assert sorted(g.prompt_id for g in groups) == list(range(12))
+        assert pool.health()["alive"] == 1
+        # seeds make a group independent of the server that generated it
+        reference = {g.prompt_id: g.completions for g in pool.generate(requests_for(0, prompts=12), SAMPLING)}
+        assert all(g.completions == reference[g.prompt_id] for g in groups)
+    finally:
+        pool.close()
+        assert healthy.poll() is None, "close() must leave attached servers running"
+        for process in (dying, healthy):
+            process.kill()
+            process.wait()
+
+
+def test_the_last_server_dying_is_a_clear_error(saved_model):
+    model, tokenizer, model_dir = saved_model
+    dying, url = launch_standin(model_dir, "--die-after-generates", "1")
+    pool = SGLangRolloutPool(urls=[url], sync_method="disk", max_retries=2)
+    try:
+        pool.start(model, CopyTask(), eos_id=tokenizer.eos_token_id, pad_id=tokenizer.pad_token_id, colocated=False)
+        pool.sync_weights(model.named_parameters(), version=0)
+        with pytest.raises(RuntimeError, match="no live SGLang server left"), pytest.warns(RuntimeWarning):
+            list(pool.generate(requests_for(0, prompts=4), SAMPLING))
+    finally:
+        pool.close()
+        dying.kill()
+        dying.wait()
+
+
+def test_a_malformed_response_is_a_clear_error(saved_model):
+    model, tokenizer, model_dir = saved_model
+    process, url = launch_standin(model_dir, "--malformed")
+    pool = SGLangRolloutPool(urls=[url], sync_method="disk")
+    try:
+        pool.start(model, CopyTask(), eos_id=tokenizer.eos_token_id, pad_id=tokenizer.pad_token_id, colocated=False)
+        pool.sync_weights(model.named_parameters(), version=0)
+        with pytest.raises(MalformedResponse, match=f"{url}/generate for prompt .* meta_info lacks output_token_logprobs"):
+            list(pool.generate(requests_for(0, prompts=2), SAMPLING))
+    finally:
+        pool.close()
+        process.kill()
+        process.wait()
+
+
+def test_parse_checks_every_field():
+    """The response checks, without a server: versions, lengths, finish reasons."""
+    pool = SGLangRolloutPool(urls=["http://unused"])
+    pool._reward_fn, pool._eos_id, pool.version = CopyTask(), 2, 0
+    request = requests_for(0, prompts=1, group_size=2)[0]
+
+    def output(tokens, version="0", reason="stop"):
+        return {"output_ids": tokens, "meta_info": {"output_token_logprobs": [[-0.5, t, None] for t in tokens],
+                                                    "finish_reason": {"type": reason}, "weight_version": version}}
+
+    group = pool._parse(request, [output([5, 2]), output([7, 8, 9], reason="length")], "u")
+    assert group.completions == [[5, 2], [7, 8, 9]] and group.finish_reasons == ["stop", "length"] and group.version == 0
+    assert pool._parse(request, [output([5, 2], "4"), output([5, 2], "4")], "u").version == 4  # stamped by the server
+    with pytest.raises(MalformedResponse, match="expected a list of 2 outputs, got a list of 1"):
+        pool._parse(request, [output([5])], "u")
+    with pytest.raises(MalformedResponse, match="several weight versions"):
+        pool._parse(request, [output([5], "0"), output([5], "1")], "u")
+    with pytest.raises(MalformedResponse, match="weight_version 'default'"):
+        pool._parse(request, [output([5], "default"), output([5], "default")], "u")
+    with pytest.raises(MalformedResponse, match="unknown finish_reason"):
+        pool._parse(request, [output([5], reason="eos"), output([5])], "u")
+    bad = output([5, 6])
+    bad["output_ids"] = [5]
+    with pytest.raises(MalformedResponse, match="output_ids disagree"):
+        pool._parse(request, [bad, output([5])], "u")
+
+
+# ------------------------------------------------------------------------------------------------------
+# a training run through the backend, with the on-policy checks of the datamodule active
+# ------------------------------------------------------------------------------------------------------
+def test_training_through_the_sglang_pool(tmp_path, monkeypatch):
+    from hydra import compose, initialize_config_module
+
+    import lit_parl.cli as cli
+
+    with initialize_config_module(config_module="lit_parl.conf", version_base="1.3"):
+        cfg = compose(config_name="config", overrides=[
+            "rollout=sglang", "iterations=3", f"run_dir={tmp_path}", "checkpoint_every=0",
+            "rollout.prompts_per_iteration=8", "rollout.micro_batch_size=16",
+            "rollout.pool.num_servers=2", f"rollout.pool.port={free_port()}", "rollout.pool.sync_method=tensor",
+            f"rollout.pool.launch_command=[{STANDIN[0]},{STANDIN[1]}]", "rollout.pool.start_timeout_s=120",
+        ])
+    built = {}
+    real_build = cli.build
+
+    def capturing_build(config):
+        built["parts"] = real_build(config)
+        return built["parts"]
+
+    monkeypatch.setattr(cli, "build", capturing_build)
+    summary = cli.run(cfg)
+    module, datamodule, trainer = built["parts"]
+    assert summary["iterations"] == 3
+    assert [s.version for s in datamodule.history] == [0, 1, 2]
+    assert all(s.completions == 8 * 8 for s in datamodule.history)
+    assert datamodule.cursor == 24  # every prompt scheduled once
+    assert datamodule.pool.health()["workers"] == 0  # closed at the end of the run
