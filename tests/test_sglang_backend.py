@@ -5,6 +5,7 @@ per-sample seeds and log-probs, retries when a server dies, clear errors, and a 
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import subprocess
@@ -298,3 +299,17 @@ def test_training_through_the_sglang_pool(tmp_path, monkeypatch):
     assert all(s.completions == 8 * 8 for s in datamodule.history)
     assert datamodule.cursor == 24  # every prompt scheduled once
     assert datamodule.pool.health()["workers"] == 0  # closed at the end of the run
+
+
+def test_the_gpu_check_sglang_section_runs_its_sequence_against_the_standin(tmp_path):
+    """benchmarks/gpu_check_sglang.py (for GPU boxes with sglang) exercised here with the stand-in."""
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu_check_sglang.py"
+    done = subprocess.run([sys.executable, str(script), "--out", str(tmp_path), "--launch-command", *STANDIN, "--tolerance", "1e-4"],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    records = {r["check"]: r for r in map(json.loads, (tmp_path / "gpu_check.jsonl").read_text().splitlines())}
+    for method, version in [("disk", 0), ("tensor", 1), ("distributed", 2)]:
+        record = records[f"sglang_sync_{method}"]
+        assert record["status"] == "ok", record
+        assert record["group_versions"] == [version]
+    assert records["sglang_sync_tensor"]["max_abs_logprob_diff_old_weights"] > 1e-4

@@ -1,0 +1,122 @@
+"""SGLang section of the device check: launch a server, generate, sync by each method, verify.
+
+Runs where ``import sglang`` works (a GPU box with ``pip install 'lit-parl[sglang]'``); elsewhere it
+logs ``skipped`` and exits 0. One server is launched on the tiny Qwen2 policy; then, for each method in
+turn (disk, tensor, distributed), the pool syncs new weights as the next version and the check verifies
+that ``/get_weight_version`` confirmed it, that every group is stamped with it, and that the sampled
+tokens' log-probs now match the new weights (computed by the trainer side) and no longer the old ones.
+
+``--launch-command`` runs the same sequence against another server command; the tests use it with the
+stand-in (tests/sglang_standin.py) to check this script on a CPU machine.
+
+    python benchmarks/gpu_check_sglang.py --out /tmp/gpu_check
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import socket
+import time
+import traceback
+from pathlib import Path
+
+import torch
+
+from lit_parl.model import tiny_qwen2
+from lit_parl.rollout.sglang import SGLangRolloutPool
+from lit_parl.tasks import CopyTask
+from lit_parl.trajectory import GroupRequest, SamplingParams, sample_seed
+
+
+def log(out: Path, record: dict) -> None:
+    print(json.dumps(record), flush=True)
+    with open(out / "gpu_check.jsonl", "a") as f:
+        f.write(json.dumps(record) + "\n")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def trainer_logprobs(model, prompt, completion, temperature) -> torch.Tensor:
+    device = next(model.parameters()).device
+    ids = torch.tensor([list(prompt) + list(completion)], device=device)
+    with torch.no_grad():
+        logits = model(ids).logits[0, len(prompt) - 1 : -1].float() / temperature
+    return logits.log_softmax(-1).gather(-1, torch.tensor(completion, device=device)[:, None])[:, 0].cpu()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", type=Path, default=Path("gpu_check_out"))
+    parser.add_argument("--launch-command", nargs="+", default=None, help="server command (default: python -m sglang.launch_server)")
+    parser.add_argument("--tolerance", type=float, default=0.1, help="max |log-prob difference| server vs trainer (bf16 kernels)")
+    args = parser.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    if args.launch_command is None and importlib.util.find_spec("sglang") is None:
+        log(args.out, {"check": "sglang", "status": "skipped", "why": "sglang is not importable here"})
+        return
+    device = torch.device("cuda" if torch.cuda.is_available() and args.launch_command is None else "cpu")
+    models = [tiny_qwen2(seed=s)[0].to(device).eval() for s in range(4)]
+    tokenizer = tiny_qwen2()[1]
+    task = CopyTask(seed=0)
+    sampling = SamplingParams(max_new_tokens=8, temperature=0.8)
+    # triton attention takes the tiny model's head size; no CUDA graphs: a faster start for a short check
+    server_args = ["--attention-backend", "triton", "--disable-cuda-graph"] if args.launch_command is None else []
+    pool = SGLangRolloutPool(
+        port=free_port(), launch_command=args.launch_command, server_args=server_args, mem_fraction_static=0.3,
+        dist_master_port=free_port(), dist_backend="nccl" if device.type == "cuda" else "gloo", start_timeout_s=300,
+    )
+    started = time.monotonic()
+    try:
+        pool.start(models[0], task, eos_id=tokenizer.eos_token_id, pad_id=tokenizer.pad_token_id, colocated=False)
+        log(args.out, {"check": "sglang_launch", "status": "ok", "seconds": round(time.monotonic() - started, 1)})
+        previous = None
+        for version, method in enumerate(["disk", "tensor", "distributed"]):
+            model = models[version + 1]
+            pool.sync_method = method
+            t0 = time.monotonic()
+            pool.sync_weights(model.named_parameters(), version)
+            sync_s = time.monotonic() - t0
+            requests = []
+            for prompt_id in range(16):
+                text, answer = task.make(prompt_id)
+                requests.append(GroupRequest(
+                    prompt_id=prompt_id, prompt_ids=tuple(tokenizer(text, add_special_tokens=False).input_ids),
+                    answer_ids=tuple(tokenizer(answer, add_special_tokens=False).input_ids), version=version,
+                    seeds=tuple(sample_seed(0, version, prompt_id, k) for k in range(8)),
+                ))
+            t0 = time.monotonic()
+            groups = list(pool.generate(requests, sampling))
+            generate_s = time.monotonic() - t0
+            by_id = {r.prompt_id: r for r in requests}
+            new_diff, old_diff = 0.0, 0.0
+            for group in groups:
+                for completion, logprobs in zip(group.completions, group.logprobs):
+                    served = torch.tensor(logprobs)
+                    new_diff = max(new_diff, float((served - trainer_logprobs(model, by_id[group.prompt_id].prompt_ids, completion, 0.8)).abs().max()))
+                    if previous is not None:
+                        old = trainer_logprobs(previous, by_id[group.prompt_id].prompt_ids, completion, 0.8)
+                        old_diff = max(old_diff, float((served - old).abs().max()))
+            versions = sorted({g.version for g in groups})
+            ok = versions == [version] and len(groups) == 16 and new_diff < args.tolerance and (previous is None or old_diff > args.tolerance)
+            log(args.out, {
+                "check": f"sglang_sync_{method}", "status": "ok" if ok else "FAILED", "version": version, "group_versions": versions,
+                "groups": len(groups), "max_abs_logprob_diff_new_weights": round(new_diff, 5),
+                "max_abs_logprob_diff_old_weights": round(old_diff, 5) if previous is not None else None,
+                "sync_s": round(sync_s, 3), "generate_s": round(generate_s, 3),
+                "completions_per_s": round(16 * 8 / generate_s, 1),
+            })
+            previous = model
+    except Exception as error:  # noqa: BLE001 - the check reports, the next section still runs
+        log(args.out, {"check": "sglang", "status": "FAILED", "error": repr(error), "traceback": traceback.format_exc()[-3000:]})
+    finally:
+        pool.close()
+
+
+if __name__ == "__main__":
+    main()
