@@ -211,19 +211,27 @@ class RolloutDataModule(LightningDataModule):
         return version
 
     # -- one iteration ---------------------------------------------------------------------------------
+    def requests(self, prompt_ids: list[int], version: int) -> dict[int, GroupRequest]:
+        """The requests for these prompts, by prompt_id. One batched tokenizer call: the iteration waits on it."""
+        texts = [self.task.make(prompt_id) for prompt_id in prompt_ids]
+        encoded = self.tokenizer([t for pair in texts for t in pair], add_special_tokens=False).input_ids
+        return {
+            prompt_id: GroupRequest(
+                prompt_id=prompt_id,
+                prompt_ids=tuple(encoded[2 * i]),
+                answer_ids=tuple(encoded[2 * i + 1]),
+                version=version,
+                seeds=tuple(sample_seed(self.seed, version, prompt_id, s) for s in range(self.group_size)),
+            )
+            for i, prompt_id in enumerate(prompt_ids)
+        }
+
     def request(self, prompt_id: int, version: int) -> GroupRequest:
-        prompt_text, answer_text = self.task.make(prompt_id)
-        return GroupRequest(
-            prompt_id=prompt_id,
-            prompt_ids=tuple(self.tokenizer(prompt_text, add_special_tokens=False).input_ids),
-            answer_ids=tuple(self.tokenizer(answer_text, add_special_tokens=False).input_ids),
-            version=version,
-            seeds=tuple(sample_seed(self.seed, version, prompt_id, s) for s in range(self.group_size)),
-        )
+        return self.requests([prompt_id], version)[prompt_id]
 
     def schedule(self, version: int) -> dict[int, GroupRequest]:
         """The iteration's requests by prompt_id: prompts ``cursor .. cursor + N - 1``."""
-        return {i: self.request(i, version) for i in range(self.cursor, self.cursor + self.prompts_per_iteration)}
+        return self.requests(list(range(self.cursor, self.cursor + self.prompts_per_iteration)), version)
 
     def _stream_iteration(self):
         """Pass 0 streams as groups arrive; passes 1.. replay the same micro-batches.
@@ -266,13 +274,10 @@ class RolloutDataModule(LightningDataModule):
         for _ in range(self.max_sampling_rounds if self.dynamic_sampling else 1):
             if not open_slots:
                 break
-            requests = {}
-            slot_of = {}
-            for slot in open_slots:
-                prompt_id = self.cursor + stats.prompts_drawn
-                stats.prompts_drawn += 1
-                requests[prompt_id] = self.request(prompt_id, version)
-                slot_of[prompt_id] = slot
+            first = self.cursor + stats.prompts_drawn
+            slot_of = {first + i: slot for i, slot in enumerate(open_slots)}
+            stats.prompts_drawn += len(open_slots)
+            requests = self.requests(list(slot_of), version)
             groups = self.pool.generate(list(requests.values()), self.sampling)
             if self.mode == "sync":  # the colocated baseline: generate everything, then train
                 groups = list(groups)
@@ -354,19 +359,22 @@ class RolloutDataModule(LightningDataModule):
         stats.completions += self.group_size
         stats.completion_tokens += int(lengths.sum())
         stats.reward_sum += float(rewards.sum())
+        prompt_ids = list(request.prompt_ids)  # from our own schedule, never from the pool
+        # plain Python numbers, converted once per group (element-wise tensor reads cost microseconds each)
+        reward_list, advantage_list, shaped_list, truncated_list = rewards.tolist(), advantages.tolist(), shaped.tolist(), truncated.tolist()
         return [
             Trajectory(
                 prompt_id=group.prompt_id,
                 sample_index=sample,
                 version=group.version,
-                prompt_ids=list(request.prompt_ids),  # from our own schedule, never from the pool
+                prompt_ids=prompt_ids,
                 completion_ids=list(group.completions[k]),
                 rollout_logprobs=list(group.logprobs[k]),
-                reward=float(rewards[k]),
-                advantage=float(advantages[k]),
-                truncated=bool(truncated[k]),
-                shaped_reward=float(shaped[k]),
-                correct=bool(is_correct(float(rewards[k]))),
+                reward=reward_list[k],
+                advantage=advantage_list[k],
+                truncated=truncated_list[k],
+                shaped_reward=shaped_list[k],
+                correct=bool(is_correct(reward_list[k])),
                 zero_variance=zero_variance,
             )
             for k, sample in enumerate(group.sample_indices)
