@@ -313,3 +313,21 @@ def test_the_gpu_check_sglang_section_runs_its_sequence_against_the_standin(tmp_
         assert record["status"] == "ok", record
         assert record["group_versions"] == [version]
     assert records["sglang_sync_tensor"]["max_abs_logprob_diff_old_weights"] > 1e-4
+
+
+def test_a_distributed_sync_refuses_a_group_with_a_dead_member():
+    """A broadcast to a group with a dead rank would hang until the NCCL timeout: refused at once instead."""
+    model, tokenizer = tiny_qwen2()
+    pool = start_pool(model, tokenizer, num_servers=2, sync_method="distributed", dist_backend="gloo", dist_master_port=free_port())
+    try:
+        pool.sync_weights(model.named_parameters(), version=0)
+        dead = pool._servers[0]
+        dead.process.kill()
+        dead.process.wait()
+        with pytest.warns(RuntimeWarning, match="is down"):
+            groups = list(pool.generate(requests_for(0, prompts=6), SAMPLING))
+        assert sorted(g.prompt_id for g in groups) == list(range(6))
+        with pytest.raises(RuntimeError, match=rf"\['{dead.url}'\] left the weight-update group"):
+            pool.sync_weights(model.named_parameters(), version=1)
+    finally:
+        pool.close()

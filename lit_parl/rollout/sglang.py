@@ -294,6 +294,13 @@ class SGLangRolloutPool(RolloutPool):
         servers = [s for s in self._servers if s.alive]
         if not servers:
             raise RuntimeError(f"no live SGLang server to sync version {version} to; down: {[s.url for s in self._servers]}")
+        if self.sync_method == "distributed" and self._update_group is not None and len(servers) < len(self._servers):
+            # a broadcast to a group with a dead member would hang until the NCCL timeout
+            down = [s.url for s in self._servers if not s.alive]
+            raise RuntimeError(
+                f"SGLang server(s) {down} left the weight-update group: the distributed sync cannot go on. Resume from the "
+                "last checkpoint with the servers restarted, or use sync_method=disk, which tolerates losing a server"
+            )
         self.version = None  # nothing may be generated until every server confirmed the new version
         self._run(self._sync(servers, tensors, version))
         self.version = version
