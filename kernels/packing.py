@@ -94,27 +94,30 @@ class PackedTokens:
     tokens_computed: int  # non-pad input tokens the model runs over
 
 
-def _bucket(segments: list[tuple[list[int], list[int]]]) -> SegmentBucket:
-    """``segments``: (query token indices, key token indices), the queries being the keys' last tokens."""
-    count = len(segments)
-    q_max = max(len(q) for q, _ in segments)
-    k_max = max(len(k) for _, k in segments)
-    query_index = torch.zeros((count, q_max), dtype=torch.long)
-    key_index = torch.zeros((count, k_max), dtype=torch.long)
-    query_valid = torch.zeros((count, q_max), dtype=torch.bool)
-    q_len = torch.tensor([len(q) for q, _ in segments])
-    k_len = torch.tensor([len(k) for _, k in segments])
-    for s, (queries, keys) in enumerate(segments):
-        query_index[s, : len(queries)] = torch.tensor(queries)
-        key_index[s, : len(keys)] = torch.tensor(keys)
-        query_valid[s, : len(queries)] = True
-    i = torch.arange(q_max)[None, :, None]
-    j = torch.arange(k_max)[None, None, :]
-    # bottom-right causal: query i is the (k_len - q_len + i)-th key
-    allowed = (j < k_len[:, None, None]) & (j <= i + (k_len - q_len)[:, None, None])
-    allowed = allowed & query_valid[:, :, None]
-    allowed[:, :, 0] |= ~query_valid  # padded query slots see key 0 only
-    return SegmentBucket(query_index, key_index, allowed[:, None], query_valid, k_len - q_len)
+def _expand(lengths: torch.Tensor, total: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """For ``lengths`` ``[S]`` summing to ``total``: (owner ``[total]``, offset ``[total]``), item k being the
+    ``offset[k]``-th of ``owner[k]``'s ``lengths[owner[k]]`` items, in order."""
+    owner = torch.repeat_interleave(lengths, output_size=total)
+    offset = torch.arange(total) - (lengths.cumsum(0) - lengths)[owner]
+    return owner, offset
+
+
+def _bucket(q_start: torch.Tensor, q_len: torch.Tensor, p_start: torch.Tensor, p_len: torch.Tensor) -> SegmentBucket:
+    """Segments whose queries are the flat token indices ``q_start + [0, q_len)`` and whose keys are their
+    prompt's ``p_start + [0, p_len)`` followed by the queries (``p_len`` 0: a prompt segment)."""
+    k_len = p_len + q_len
+    key_offset = k_len - q_len
+    i = torch.arange(int(q_len.max()))[None, :]
+    j = torch.arange(int(k_len.max()))[None, :]
+    query_valid = i < q_len[:, None]
+    query_index = (q_start[:, None] + i) * query_valid
+    key_index = torch.where(j < p_len[:, None], p_start[:, None] + j, q_start[:, None] + (j - p_len[:, None])) * (j < k_len[:, None])
+    # bottom-right causal: query i is the (key_offset + i)-th key (so it never sees past the segment's keys);
+    # padded query slots see no key but key 0, so no softmax row is empty
+    last_key = (i + key_offset[:, None]).masked_fill(~query_valid, -1)
+    allowed = j[:, None, :] <= last_key[:, :, None]
+    allowed[:, :, 0] |= ~query_valid
+    return SegmentBucket(query_index, key_index, allowed[:, None], query_valid, key_offset)
 
 
 def pack(
@@ -124,18 +127,28 @@ def pack(
     max_row_tokens: int | None = None,
 ) -> PackedTokens:
     """Lay out ``groups`` for one forward pass. Samples are numbered in order: group by group, then
-    completion by completion; the output rows of ``completion_mask`` follow that numbering."""
+    completion by completion; the output rows of ``completion_mask`` follow that numbering.
+
+    One Python pass over the samples records where each segment starts and where its tokens come from;
+    every tensor is then expanded from that table by a fixed number of torch ops, with no per-token
+    Python work: the token ids cross into torch once, each prompt once."""
     completions = [c for _, cs in groups for c in cs]
     if any(len(c) == 0 for c in completions):
         raise ValueError("every completion needs at least one token")
     if any(len(p) == 0 for p, _ in groups):
         raise ValueError("every prompt needs at least one token (a completion's first token is read at the prompt's last position)")
     width = max(len(c) for c in completions)
+    prompt_len = [len(p) for p, _ in groups]
+    sample_len = [len(c) for c in completions]
+    first_sample = [0]  # each group's first sample
+    for _, cs in groups:
+        first_sample.append(first_sample[-1] + len(cs))
+    # a unit is what shares one prompt: (group, first sample, samples)
     if shared_prompt:
-        units = [[(prompt, cs)] for prompt, cs in groups]  # a unit is what shares one prompt
+        units = [(g, first_sample[g], len(cs)) for g, (_, cs) in enumerate(groups)]
     else:
-        units = [[(prompt, [c])] for prompt, cs in groups for c in cs]
-    unit_sizes = [sum(len(p) + sum(len(c) - 1 for c in cs) for p, cs in unit) for unit in units]
+        units = [(g, s, 1) for g in range(len(groups)) for s in range(first_sample[g], first_sample[g + 1])]
+    unit_sizes = [prompt_len[g] + sum(sample_len[s : s + k]) - k for g, s, k in units]
 
     rows: list[list[int]] = [[]]  # unit indices per row
     row_len = 0
@@ -149,82 +162,103 @@ def pack(
         rows = [[u] for u in range(len(units))]  # padded layout: one completion per row, always
     length = max(sum(unit_sizes[u] for u in row) for row in rows)
 
-    input_ids = torch.full((len(rows), length), pad_id, dtype=torch.long)
-    position_ids = torch.zeros((len(rows), length), dtype=torch.long)
-    segment_ids = torch.full((len(rows), length), -1, dtype=torch.long)
-    visible_prompt = torch.full((len(rows), length), -1, dtype=torch.long)
-    label_positions, label_targets, label_slots = [], [], []
-    prompt_segments, completion_segments = [], []  # (query indices, key indices) in flat B * L
-    varlen = []  # (query indices, key indices) in segment order
-    sample = 0
-    segment = 0
-    for r, row in enumerate(rows):
-        cursor = 0
-        for u in row:
-            for prompt, cs in units[u]:
-                base = r * length
-                P = len(prompt)
-                prompt_tokens = list(range(base + cursor, base + cursor + P))
-                input_ids[r, cursor : cursor + P] = torch.tensor(prompt)
-                position_ids[r, cursor : cursor + P] = torch.arange(P)
-                segment_ids[r, cursor : cursor + P] = segment
-                visible_prompt[r, cursor : cursor + P] = segment
-                prompt_segment = segment
-                prompt_segments.append((prompt_tokens, prompt_tokens))
-                varlen.append((prompt_tokens, prompt_tokens))
-                segment += 1
-                cursor += P
-                last_prompt_position = prompt_tokens[-1]
-                for completion in cs:
-                    inputs = completion[:-1]
-                    n = len(inputs)
-                    own = list(range(base + cursor, base + cursor + n))
-                    if n:
-                        input_ids[r, cursor : cursor + n] = torch.tensor(inputs)
-                        position_ids[r, cursor : cursor + n] = torch.arange(P, P + n)
-                        segment_ids[r, cursor : cursor + n] = segment
-                        visible_prompt[r, cursor : cursor + n] = prompt_segment
-                        completion_segments.append((own, prompt_tokens + own))
-                        varlen.append((own, prompt_tokens + own))
-                        segment += 1
-                    positions = [last_prompt_position, *own]
-                    label_positions.extend(positions)
-                    label_targets.extend(completion)
-                    label_slots.extend(sample * width + t for t in range(len(completion)))
-                    cursor += n
-                    sample += 1
+    # token ids cross into torch once: every prompt, then every completion (the label targets)
+    prompt_tokens = [token for p, _ in groups for token in p]
+    label_targets = torch.tensor([token for c in completions for token in c], dtype=torch.long)
+    source = torch.cat([torch.tensor(prompt_tokens, dtype=torch.long), label_targets])
+    prompt_source = [0]  # where each group's prompt starts in `source`
+    for P in prompt_len:
+        prompt_source.append(prompt_source[-1] + P)
+    sample_source = [len(prompt_tokens)]  # where each completion starts in `source`
+    for R in sample_len:
+        sample_source.append(sample_source[-1] + R)
 
-    completion_mask = torch.zeros((len(completions), width), dtype=torch.bool)
-    for i, c in enumerate(completions):
-        completion_mask[i, : len(c)] = True
-    tokens_computed = int((segment_ids >= 0).sum())
-    labels = dict(
-        label_positions=torch.tensor(label_positions, dtype=torch.long),
-        label_targets=torch.tensor(label_targets, dtype=torch.long),
-        label_slots=torch.tensor(label_slots, dtype=torch.long),
-        completion_mask=completion_mask,
-        tokens_computed=tokens_computed,
-    )
+    # one row per segment, in segment order (a prompt, then its completions that have input tokens):
+    # (flat index of its first token in B * L, tokens, position of its first token, the prompt segment it
+    #  sees (itself for a prompt), flat start and length of the prompt keys before its own (0, 0 for a
+    #  prompt), where its tokens start in `source`)
+    segments: list[tuple[int, int, int, int, int, int, int]] = []
+    prompt_segments: list[int] = []
+    completion_segments: list[int] = []
+    label_anchor: list[int] = []  # per sample: the prompt's last position, which reads its first label
+    label_start: list[int] = []  # per sample: its first input token's position, which reads its second label
+    prompt_keys = 0  # keys the completion segments read from their prompts
+    for r, row in enumerate(rows):
+        cursor = r * length
+        for u in row:
+            g, first, count = units[u]
+            P = prompt_len[g]
+            prompt_start, prompt_segment = cursor, len(segments)
+            prompt_segments.append(prompt_segment)
+            segments.append((cursor, P, 0, prompt_segment, 0, 0, prompt_source[g]))
+            cursor += P
+            prompt_last = cursor - 1
+            for s in range(first, first + count):
+                n = sample_len[s] - 1
+                label_anchor.append(prompt_last)
+                label_start.append(cursor)
+                if n:
+                    completion_segments.append(len(segments))
+                    segments.append((cursor, n, P, prompt_segment, prompt_start, P, sample_source[s]))
+                    prompt_keys += P
+                    cursor += n
+
+    table = torch.tensor(segments, dtype=torch.long)
+    seg_start, seg_len, seg_position, seg_visible, seg_prompt_start, seg_prompt_len, seg_source = table.unbind(1)
+    total = sum(unit_sizes)
+    owner, offset = _expand(seg_len, total)
+    token_index = seg_start[owner] + offset  # flat index of every non-pad token, in segment order
+    input_ids = torch.full((len(rows), length), pad_id, dtype=torch.long)
+    input_ids.view(-1)[token_index] = source[seg_source[owner] + offset]
+
+    lengths = torch.tensor(sample_len, dtype=torch.long)
+    sample, t = _expand(lengths, label_targets.shape[0])
+    anchor = torch.tensor(label_anchor, dtype=torch.long)
+    start = torch.tensor(label_start, dtype=torch.long)
+    labels = {
+        # label t of a sample is read at the prompt's last position (t = 0), else at its input token t - 1
+        "label_positions": torch.where(t == 0, anchor[sample], start[sample] + t - 1),
+        "label_targets": label_targets,
+        "label_slots": sample * width + t,
+        "completion_mask": torch.arange(width)[None, :] < lengths[:, None],
+        "tokens_computed": total,
+    }
     if not shared_prompt:
         return PackedTokens(input_ids=input_ids, position_ids=None, attention=None, **labels)
 
-    query_index = torch.tensor([t for q, _ in varlen for t in q], dtype=torch.long)
-    key_index = torch.tensor([t for _, k in varlen for t in k], dtype=torch.long)
-    cu_q = torch.tensor([0] + [len(q) for q, _ in varlen], dtype=torch.int32).cumsum(0, dtype=torch.int32)
-    cu_k = torch.tensor([0] + [len(k) for _, k in varlen], dtype=torch.int32).cumsum(0, dtype=torch.int32)
-    buckets = [_bucket(prompt_segments)]
+    position_ids = torch.zeros((len(rows), length), dtype=torch.long)
+    segment_ids = torch.full((len(rows), length), -1, dtype=torch.long)
+    visible_prompt = torch.full((len(rows), length), -1, dtype=torch.long)
+    position_ids.view(-1)[token_index] = seg_position[owner] + offset
+    segment_ids.view(-1)[token_index] = owner
+    visible_prompt.view(-1)[token_index] = seg_visible[owner]
+
+    # varlen: segment s's keys are its prompt's tokens (none for a prompt's own segment), then its own
+    key_len = seg_prompt_len + seg_len
+    key_owner, j = _expand(key_len, total + prompt_keys)
+    key_prompt_len = seg_prompt_len[key_owner]
+    key_index = torch.where(j < key_prompt_len, seg_prompt_start[key_owner] + j, seg_start[key_owner] + (j - key_prompt_len))
+    zero = seg_len.new_zeros(1)
+    cu_q = torch.cat([zero, seg_len]).cumsum(0, dtype=torch.int32)
+    cu_k = torch.cat([zero, key_len]).cumsum(0, dtype=torch.int32)
+
+    def bucket(members: list[int]) -> SegmentBucket:
+        index = torch.tensor(members, dtype=torch.long)
+        return _bucket(seg_start[index], seg_len[index], seg_prompt_start[index], seg_prompt_len[index])
+
+    buckets = [bucket(prompt_segments)]
     if completion_segments:
-        buckets.append(_bucket(completion_segments))
+        buckets.append(bucket(completion_segments))
     attention = SharedPromptLayout(
         segment_ids=segment_ids,
         positions=position_ids,
         visible_prompt=visible_prompt,
-        query_index=query_index,
+        query_index=token_index,
         key_index=key_index,
         cu_seqlens_q=cu_q,
         cu_seqlens_k=cu_k,
-        max_seqlen_q=max(len(q) for q, _ in varlen),
-        max_seqlen_k=max(len(k) for _, k in varlen),
+        max_seqlen_q=int(seg_len.max()),
+        max_seqlen_k=int(key_len.max()),
         buckets=buckets,
     )
     return PackedTokens(input_ids=input_ids, position_ids=position_ids, attention=attention, **labels)

@@ -156,8 +156,13 @@ def collate(
         shared = packing == "shared_prompt"
     tokens = pack(groups, pad_id, shared_prompt=shared, max_row_tokens=max_row_tokens)
     rollout_logprobs = torch.zeros(tokens.completion_mask.shape, dtype=torch.float32)
-    for i, t in enumerate(ordered):
-        rollout_logprobs[i, : len(t.rollout_logprobs)] = torch.tensor(t.rollout_logprobs)
+    if all(len(t.rollout_logprobs) == len(t.completion_ids) for t in ordered):
+        # one log-prob per completion token: they fill exactly the label slots, in order
+        flat = [lp for t in ordered for lp in t.rollout_logprobs]
+        rollout_logprobs.view(-1)[tokens.label_slots] = torch.tensor(flat, dtype=torch.float32)
+    else:
+        for i, t in enumerate(ordered):
+            rollout_logprobs[i, : len(t.rollout_logprobs)] = torch.tensor(t.rollout_logprobs)
     return MicroBatch(
         tokens=tokens,
         rollout_logprobs=rollout_logprobs,

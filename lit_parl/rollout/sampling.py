@@ -44,6 +44,13 @@ def filter_logits(scaled: torch.Tensor, top_k: int, top_p: float) -> torch.Tenso
     return scaled
 
 
+# Gumbel noise drawn ahead per row on CPU: first block of steps, doubled for each next block (a sample
+# that stops early wastes at most about as many draws as it used), and at most this many floats per row
+# and block (a vocabulary at least this large draws one step at a time, as on other devices)
+_FIRST_NOISE_BLOCK = 8
+_NOISE_BLOCK_ELEMENTS = 1 << 14
+
+
 def _cache_keyword(model: PreTrainedModel) -> str:
     """transformers renamed ``past_key_values`` to ``cache`` (5.x); pass whichever this model takes."""
     return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
@@ -82,48 +89,73 @@ def sample_groups(
     attention = attention.repeat_interleave(group_size, 0)
     next_position = positions[:, -1:].repeat_interleave(group_size, 0) + 1
 
-    rows = [(i, s) for i in range(len(requests)) for s in range(group_size)]  # (request, sample) of each batch row
+    rows = len(requests) * group_size  # batch row r is sample r % group_size of request r // group_size
     generators = []
-    for i, s in rows:
-        generator = torch.Generator(device=device)
-        generator.manual_seed(requests[i].seeds[s])
-        generators.append(generator)
-    tokens = [[[] for _ in range(group_size)] for _ in requests]
-    logprobs = [[[] for _ in range(group_size)] for _ in requests]
-    stopped = [[False] * group_size for _ in requests]
-    pending = [group_size] * len(requests)  # samples still running, per request
+    for request in requests:
+        for seed in request.seeds:
+            generator = torch.Generator(device=device)
+            generator.manual_seed(seed)
+            generators.append(generator)
+    vocab = logits.shape[-1]
+    # A CPU generator's stream is serial: one draw of (k, V) uniforms equals k draws of V in a row. So on
+    # CPU each row draws the Gumbel noise of several steps at once, in blocks of 8, 16, 32... steps (at most
+    # _NOISE_BLOCK_ELEMENTS floats): noise[:, k] is step noise_step + k. Other devices draw step by step.
+    noise, noise_step, block = None, 0, _FIRST_NOISE_BLOCK
+    active = list(range(len(requests)))  # requests still in the batch, in batch order
+    alive = torch.ones(rows, dtype=torch.bool, device=device)  # sample still running
+    lengths = torch.zeros(rows, dtype=torch.long, device=device)
+    out_tokens = torch.zeros((rows, sampling.max_new_tokens), dtype=torch.long, device=device)
+    out_logprobs = torch.zeros((rows, sampling.max_new_tokens), dtype=torch.float32, device=device)
+    stop_set = set(stops.tolist())
 
     for step in range(sampling.max_new_tokens):
         scaled = logits.float() / sampling.temperature
         token_logprobs = scaled.log_softmax(-1)
-        uniform = torch.stack([torch.rand(scaled.shape[-1], generator=g, device=device) for g in generators])
+        if device.type == "cpu":
+            if noise is None or step - noise_step == noise.shape[1]:
+                steps = min(block, sampling.max_new_tokens - step, max(1, _NOISE_BLOCK_ELEMENTS // vocab))
+                noise = torch.stack([torch.rand((steps, vocab), generator=g) for g in generators])
+                noise_step, block = step, 2 * block
+            uniform = noise[:, step - noise_step]
+        else:
+            uniform = torch.stack([torch.rand(vocab, generator=g, device=device) for g in generators])
         gumbel = -torch.log(-torch.log(uniform.clamp(min=1e-20, max=1.0 - 1e-7)))
         choice = (filter_logits(scaled, sampling.top_k, sampling.top_p) + gumbel).argmax(-1)
-        chosen_logprob = token_logprobs.gather(-1, choice[:, None])[:, 0].tolist()
-        is_stop = torch.isin(choice, stops).tolist()
-        finished_requests = []
-        for (i, s), token, lp, stop in zip(rows, choice.tolist(), chosen_logprob, is_stop):
-            if stopped[i][s]:
-                continue
-            tokens[i][s].append(token)
-            logprobs[i][s].append(lp)
-            if stop or step == sampling.max_new_tokens - 1:
-                stopped[i][s] = True
-                pending[i] -= 1
-                if pending[i] == 0:
-                    finished_requests.append(i)
-        for i in finished_requests:
-            reasons = ["stop" if seq[-1] in stops.tolist() else "length" for seq in tokens[i]]
-            yield SampledGroup(requests[i], tokens[i], logprobs[i], reasons)
-        if step == sampling.max_new_tokens - 1 or all(p == 0 for p in pending):
+        out_tokens[:, step] = choice
+        out_logprobs[:, step] = token_logprobs.gather(-1, choice[:, None])[:, 0]
+        last = step == sampling.max_new_tokens - 1
+        # a running sample takes this token; it stops on a stop token or at the length limit
+        lengths += alive
+        if last:
+            alive.zero_()
+        else:
+            alive &= torch.isin(choice, stops, invert=True)
+        finished = [k for k, running in enumerate(alive.view(-1, group_size).any(-1).tolist()) if not running]  # positions in `active`
+        if finished:
+            index = torch.tensor([k * group_size + s for k in finished for s in range(group_size)], device=device)
+            for k, tokens, logprobs, n in zip(
+                finished,
+                out_tokens[index].view(len(finished), group_size, -1).tolist(),
+                out_logprobs[index].view(len(finished), group_size, -1).tolist(),
+                lengths[index].view(len(finished), group_size).tolist(),
+            ):
+                completions = [seq[:m] for seq, m in zip(tokens, n)]
+                reasons = ["stop" if seq[-1] in stop_set else "length" for seq in completions]
+                yield SampledGroup(requests[active[k]], completions, [lp[:m] for lp, m in zip(logprobs, n)], reasons)
+        if last or len(finished) == len(active):
             break
-        if finished_requests:  # drop finished groups' rows from the batch and the cache
-            keep = [row for row, (i, _) in enumerate(rows) if pending[i] > 0]
-            index = torch.tensor(keep, device=device)
-            cache.batch_select_indices(index)
-            rows = [rows[k] for k in keep]
-            generators = [generators[k] for k in keep]
-            choice, attention, next_position = choice[index], attention[index], next_position[index]
+        if finished:  # drop finished groups' rows from the batch and the cache
+            done = set(finished)
+            keep_groups = [k for k in range(len(active)) if k not in done]
+            active = [active[k] for k in keep_groups]
+            keep_rows = [k * group_size + s for k in keep_groups for s in range(group_size)]
+            keep = torch.tensor(keep_rows, device=device)
+            cache.batch_select_indices(keep)
+            generators = [generators[r] for r in keep_rows]
+            choice, attention, next_position = choice[keep], attention[keep], next_position[keep]
+            alive, lengths, out_tokens, out_logprobs = alive[keep], lengths[keep], out_tokens[keep], out_logprobs[keep]
+            if noise is not None:
+                noise = noise[keep]
         attention = torch.cat([attention, attention.new_ones((attention.shape[0], 1))], dim=1)
         logits = model(input_ids=choice[:, None], attention_mask=attention, position_ids=next_position, **cache_kwargs).logits[:, -1]
         next_position = next_position + 1
