@@ -1,0 +1,145 @@
+"""Periodic asynchrony against the synchronous baseline, side by side on this machine.
+
+The same configuration (model, task, prompts per iteration, G, lengths, iterations, seed) runs in both
+modes, interleaved A B A B ... so that a noisy neighbour hurts both alike:
+
+- ``sync``: the colocated baseline. The pool generates the whole iteration, then the trainer trains on
+  it; each phase gets every core (pool threads = trainer threads = all cores).
+- ``async``: periodic asynchrony. The pool (one worker, one thread) and the trainer (one thread) run at
+  the same time, each on one core: the same hardware.
+- ``sync-1t``: the synchronous baseline at its best on this machine. A model this small runs no faster
+  on two threads than on one, so this variant gives each phase one thread. It is reported beside `sync`
+  so that the ratio does not depend on a handicapped baseline.
+
+Per mode it prints the median completions/s and tokens/s over the iterations after a warm-up, the
+async/sync ratio, and the overlap efficiency per iteration,
+(gen_busy + train_busy - iteration_wall) / min(gen_busy, train_busy), 1.0 meaning the shorter phase is
+completely hidden. Three workloads: balanced (generation time ~ training time), generation-heavy (long
+completions of ragged lengths: groups finish at different times) and training-heavy.
+
+    .venv/bin/python benchmarks/async_vs_sync.py                 # all three, 3 runs per mode each
+    .venv/bin/python benchmarks/async_vs_sync.py --workloads balanced --reps 5 --json out.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+COMMON = [
+    "task=copy", "checkpoint_every=0", "trainer.max_time=null", "+trainer.enable_progress_bar=false",
+    "model.hidden_size=128", "model.intermediate_size=512",
+    "rollout.prompts_per_iteration=64", "rollout.group_size=8",
+]
+# Each workload: overrides on top of COMMON. Tuned on this 2-core machine so that, in async mode, the
+# balanced workload spends about as long generating as training (see RESULTS.md for the measured split).
+WORKLOADS = {
+    "balanced": ["rollout.sampling.max_new_tokens=12", "rollout.micro_batch_size=64", "rollout.pool.prompts_per_request=8"],
+    "generation-heavy": ["rollout.sampling.max_new_tokens=48", "rollout.micro_batch_size=64", "rollout.pool.prompts_per_request=8"],
+    "training-heavy": ["rollout.sampling.max_new_tokens=8", "rollout.micro_batch_size=64", "rollout.pool.prompts_per_request=8",
+                       "algorithm.passes=2", "algorithm.objective.beta=0.04"],
+}
+
+
+MODES = {
+    "sync": ["rollout.mode=sync"],
+    "async": ["rollout.mode=async"],
+    "sync-1t": ["rollout.mode=sync", "rollout.trainer_threads=1", "+rollout.pool.colocated_threads=1"],
+}
+
+
+def run_once(workload: str, mode: str, iterations: int, seed: int, extra: list[str]) -> dict:
+    with tempfile.TemporaryDirectory(prefix=f"lit_parl_bench_{workload}_{mode}_") as run_dir:
+        overrides = [*COMMON, *WORKLOADS[workload], *MODES[mode], f"iterations={iterations}", f"seed={seed}", f"run_dir={run_dir}", *extra]
+        started = time.monotonic()
+        done = subprocess.run([sys.executable, "-m", "lit_parl", *overrides], cwd=ROOT, capture_output=True, text=True)
+        if done.returncode != 0:
+            raise RuntimeError(f"{workload}/{mode} failed:\n{done.stderr[-3000:]}")
+        rows = list(csv.DictReader(open(Path(run_dir) / "metrics.csv")))
+        timeline = json.loads((Path(run_dir) / "timeline.json").read_text())
+        summary = json.loads((Path(run_dir) / "summary.json").read_text())
+    rows = [r for r in rows if r.get("completions_per_s")]
+    warm = max(2, len(rows) // 5)  # the first iterations pay for start-up and allocator warm-up
+    steady = rows[warm:]
+    return {
+        "workload": workload,
+        "mode": mode,
+        "process_s": time.monotonic() - started,
+        "completions_per_s": statistics.median(float(r["completions_per_s"]) for r in steady),
+        "tokens_per_s": statistics.median(float(r["tokens_per_s"]) for r in steady),
+        "gen_busy_s": statistics.median(it["gen_busy_s"] for it in timeline[warm:]),
+        "train_busy_s": statistics.median(it["train_busy_s"] for it in timeline[warm:]),
+        "iteration_s": statistics.median(it["end"] - it["start"] for it in timeline[warm:]),
+        "overlap_efficiency": [it["overlap_efficiency"] for it in timeline[warm:]],
+        "reward_last10": summary.get("reward_last10"),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=list(WORKLOADS))
+    parser.add_argument("--reps", type=int, default=3, help="runs per mode and workload (interleaved)")
+    parser.add_argument("--iterations", type=int, default=20)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--json", type=Path, default=None, help="write every run's figures here")
+    parser.add_argument("extra", nargs="*", help="more Hydra overrides for every run")
+    args = parser.parse_args()
+
+    print(f"machine: {os.cpu_count()} cores; {args.reps} runs per mode, {args.iterations} iterations each, interleaved", flush=True)
+    results = []
+    for workload in args.workloads:
+        for rep in range(args.reps):
+            order = list(MODES)
+            for mode in order[rep % len(order):] + order[: rep % len(order)]:  # rotate: each mode runs first once
+                result = run_once(workload, mode, args.iterations, args.seed, args.extra)
+                results.append(result)
+                print(f"  {workload:16s} {mode:5s} run {rep}: {result['completions_per_s']:8.1f} completions/s "
+                      f"gen {result['gen_busy_s'] * 1e3:6.1f} ms train {result['train_busy_s'] * 1e3:6.1f} ms "
+                      f"iteration {result['iteration_s'] * 1e3:6.1f} ms", flush=True)
+
+    print()
+    header = f"{'workload':16s} {'mode':5s} {'completions/s':>13s} {'tokens/s':>9s} {'gen ms':>7s} {'train ms':>8s} {'iter ms':>8s} {'overlap eff. (median, p10)':>27s}"
+    print(header)
+    print("-" * len(header))
+    summary = {}
+    for workload in args.workloads:
+        per_mode = {}
+        for mode in MODES:
+            runs = [r for r in results if r["workload"] == workload and r["mode"] == mode]
+            efficiency = [e for r in runs for e in r["overlap_efficiency"]]
+            per_mode[mode] = {
+                "completions_per_s": statistics.median(r["completions_per_s"] for r in runs),
+                "tokens_per_s": statistics.median(r["tokens_per_s"] for r in runs),
+                "gen_ms": 1e3 * statistics.median(r["gen_busy_s"] for r in runs),
+                "train_ms": 1e3 * statistics.median(r["train_busy_s"] for r in runs),
+                "iteration_ms": 1e3 * statistics.median(r["iteration_s"] for r in runs),
+                "overlap_median": statistics.median(efficiency),
+                "overlap_p10": statistics.quantiles(efficiency, n=10)[0] if len(efficiency) > 1 else efficiency[0],
+            }
+            m = per_mode[mode]
+            overlap = f"{m['overlap_median']:.2f}, {m['overlap_p10']:.2f}" if mode == "async" else "(takes turns)"
+            print(f"{workload:16s} {mode:5s} {m['completions_per_s']:13.1f} {m['tokens_per_s']:9.1f} {m['gen_ms']:7.1f} {m['train_ms']:8.1f} "
+                  f"{m['iteration_ms']:8.1f} {overlap:>27s}")
+        ratios = {}
+        for baseline in ("sync", "sync-1t"):
+            ratio = per_mode["async"]["completions_per_s"] / per_mode[baseline]["completions_per_s"]
+            token_ratio = per_mode["async"]["tokens_per_s"] / per_mode[baseline]["tokens_per_s"]
+            ratios[baseline] = {"completions": ratio, "tokens": token_ratio}
+            print(f"{workload:16s} async/{baseline}: {ratio:.2f}x completions/s, {token_ratio:.2f}x tokens/s")
+        summary[workload] = {**per_mode, "ratios": ratios}
+    if args.json:
+        args.json.write_text(json.dumps({"summary": summary, "runs": results}, indent=1))
+
+
+if __name__ == "__main__":
+    main()

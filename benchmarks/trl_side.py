@@ -1,0 +1,203 @@
+"""The TRL side of ``benchmarks/vs_trl.py``: Hugging Face TRL's ``GRPOTrainer`` on lit_parl's tiny model and task.
+
+Runs in ``.venv-trl`` (``benchmarks/setup_trl_env.sh``), one synchronous process: generate a batch, score it,
+train on it. ``vs_trl.py`` starts it as a subprocess; it can also be run by hand::
+
+    .venv-trl/bin/python benchmarks/trl_side.py --model-dir /tmp/tiny --steps 20 --out /tmp/trl.json
+
+The settings mirror lit_parl's default job (``conf/``), and each choice is commented where it is made.
+The reward function is lit_parl's ``positional_reward`` on the completion's token ids (TRL cuts each
+completion after its first end token, end token included, which is what lit_parl's reward expects).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+_T0 = time.monotonic()
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model-dir", required=True, help="a save_pretrained directory (model + tokenizer)")
+    p.add_argument("--task", choices=("copy", "preamble"), default="copy")
+    p.add_argument("--preamble-chars", type=int, default=200)
+    p.add_argument("--steps", type=int, required=True, help="optimizer steps (= lit_parl iterations)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--prompts-per-step", type=int, default=32)
+    p.add_argument("--group-size", type=int, default=8)
+    p.add_argument("--micro-batch-size", type=int, default=64, help="completions per forward/backward (lit_parl's micro_batch_size)")
+    p.add_argument("--max-new-tokens", type=int, default=6)
+    p.add_argument("--lr", type=float, default=5e-4)
+    p.add_argument("--beta", type=float, default=0.0)
+    p.add_argument("--max-grad-norm", type=float, default=1.0)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--out", required=True, help="JSON result path")
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> dict:
+    args = parse_args(argv)
+    import torch
+
+    torch.set_num_threads(args.threads)  # the same 2-core budget lit_parl's pool + trainer share
+    import datasets
+    import transformers
+    import trl
+    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    from lit_parl.tasks import CopyTask, positional_reward
+
+    if args.task == "copy":
+        task = CopyTask(min_digits=2, max_digits=4, seed=args.seed)  # conf/task/copy.yaml
+    else:
+        sys.path.insert(0, str(Path(__file__).resolve().parent))
+        from vs_trl_task import PreambleCopyTask
+
+        task = PreambleCopyTask(min_digits=2, max_digits=4, seed=args.seed, preamble_chars=args.preamble_chars)
+
+    tokenizer = AutoTokenizer.from_pretrained(args.model_dir)
+    model = AutoModelForCausalLM.from_pretrained(args.model_dir, dtype=torch.float32, attn_implementation="sdpa")
+    eos_id = tokenizer.eos_token_id
+
+    # lit_parl's iteration k trains prompts k*N .. k*N+N-1 of the task, in order: same here (no shuffle)
+    n_prompts = args.steps * args.prompts_per_step
+    made = [task.make(i) for i in range(n_prompts)]
+    dataset = datasets.Dataset.from_dict({"prompt": [p for p, _ in made], "answer": [a for _, a in made]})
+    # TRL tokenizes plain-text prompts with processing_class(text=...): check it gives lit_parl's ids
+    probe = made[0][0]
+    assert tokenizer(text=[probe])["input_ids"][0] == tokenizer(probe, add_special_tokens=False).input_ids, "special tokens added"
+
+    record = {"rewards": [], "completions": 0, "tokens": 0, "reward_calls": 0}
+    answer_cache: dict[str, list[int]] = {}
+
+    def copy_reward(prompts, completions, completion_ids, answer, **kwargs):
+        """lit_parl.tasks.positional_reward on token ids (answer + end token), as lit_parl's workers score."""
+        rewards = []
+        for ids, text in zip(completion_ids, answer):
+            target = answer_cache.get(text)
+            if target is None:
+                target = answer_cache[text] = tokenizer(text, add_special_tokens=False).input_ids
+            rewards.append(positional_reward(target, ids, eos_id))
+        record["rewards"].append(sum(rewards) / len(rewards))  # one call per generation batch = one step
+        record["completions"] += len(rewards)
+        record["tokens"] += sum(len(ids) for ids in completion_ids)
+        record["reward_calls"] += 1
+        return rewards
+
+    step_times: list[float] = []
+
+    every = max(1, args.steps // 10)
+
+    class StepClock(TrainerCallback):
+        def on_step_end(self, targs, state, control, **kwargs):
+            step_times.append(time.monotonic())
+            if state.global_step % every == 0:  # progress in the log: step, seconds, reward of the step
+                print(f"trl_side: step {state.global_step}/{args.steps} at {step_times[-1] - start:.1f} s, "
+                      f"reward {record['rewards'][-1]:.3f}", flush=True)
+
+    samples_per_step = args.prompts_per_step * args.group_size
+    if samples_per_step % args.micro_batch_size:
+        raise SystemExit(f"--micro-batch-size {args.micro_batch_size} must divide {samples_per_step}")
+    output_dir = tempfile.mkdtemp(prefix="trl_side_")
+    config = GRPOConfig(
+        output_dir=output_dir,
+        seed=args.seed,
+        data_seed=args.seed,
+        # one optimizer step = prompts_per_step x G completions, trained in micro-batches of micro_batch_size
+        # (lit_parl: 32 x 8 = 256 completions per iteration, micro_batch_size 64, one optimizer step)
+        per_device_train_batch_size=args.micro_batch_size,
+        gradient_accumulation_steps=samples_per_step // args.micro_batch_size,
+        num_generations=args.group_size,
+        max_steps=args.steps,
+        num_iterations=1,  # one pass: on-policy, old log-probs = current (TRL skips their forward)
+        shuffle_dataset=False,
+        # sampling: lit_parl conf/rollout/hf.yaml
+        max_completion_length=args.max_new_tokens,
+        temperature=1.0,
+        top_p=1.0,
+        top_k=0,
+        use_vllm=False,
+        # objective: conf/algorithm/grpo.yaml (clip 0.2/0.2, group std scaling, seq-mean-token-mean)
+        beta=args.beta,
+        epsilon=0.2,
+        loss_type="grpo",  # per-sequence token mean, mean over sequences == lit_parl's seq-mean-token-mean
+        scale_rewards="group",
+        mask_truncated_completions=False,
+        # optimizer: lit_parl's AdamW(lr, betas=(0.9, 0.999), eps=1e-8, weight_decay=0), clip 1.0, no schedule
+        learning_rate=args.lr,
+        optim="adamw_torch",
+        adam_beta1=0.9,
+        adam_beta2=0.999,
+        adam_epsilon=1e-8,
+        weight_decay=0.0,
+        max_grad_norm=args.max_grad_norm,
+        lr_scheduler_type="constant",
+        warmup_steps=0,
+        # numerics and machine: fp32 on the CPU, no checkpointing, nothing logged or saved
+        bf16=False,
+        fp16=False,
+        use_cpu=True,
+        gradient_checkpointing=False,
+        dataloader_num_workers=0,
+        report_to="none",
+        logging_steps=max(args.steps, 1),
+        disable_tqdm=True,
+        save_strategy="no",
+        log_completions=False,
+    )
+    trainer = GRPOTrainer(
+        model=model,
+        reward_funcs=copy_reward,
+        args=config,
+        train_dataset=dataset,
+        processing_class=tokenizer,
+        callbacks=[StepClock()],
+    )
+    setup_s = time.monotonic() - _T0
+    start = time.monotonic()  # read by StepClock
+    trainer.train()
+    wall = time.monotonic() - start
+    rewards = record["rewards"]
+    if len(rewards) != args.steps or record["completions"] != args.steps * samples_per_step:
+        raise RuntimeError(f"expected {args.steps} generation batches of {samples_per_step}, got {len(rewards)} / {record['completions']}")
+    result = {
+        "side": "trl",
+        "steps": args.steps,
+        "completions": record["completions"],
+        "completion_tokens": record["tokens"],
+        "wall_s": round(wall, 3),
+        "setup_s": round(setup_s, 3),
+        "completions_per_s": round(record["completions"] / wall, 2),
+        "tokens_per_s": round(record["tokens"] / wall, 2),
+        "rewards": rewards,
+        "step_end_s": [round(t - start, 4) for t in step_times],
+        "threads": torch.get_num_threads(),
+        "versions": {"trl": trl.__version__, "transformers": transformers.__version__, "torch": torch.__version__, "datasets": datasets.__version__},
+        "config": {
+            k: getattr(config, k)
+            for k in (
+                "per_device_train_batch_size", "gradient_accumulation_steps", "generation_batch_size", "steps_per_generation",
+                "num_generations", "num_iterations", "max_completion_length", "temperature", "top_p", "top_k", "beta",
+                "epsilon", "epsilon_high", "loss_type", "scale_rewards", "learning_rate", "optim", "lr_scheduler_type",
+                "max_grad_norm", "weight_decay", "bf16", "gradient_checkpointing", "use_vllm", "shuffle_dataset",
+            )
+        },
+    }
+    result["config"]["optim"] = str(result["config"]["optim"])
+    result["config"]["lr_scheduler_type"] = str(result["config"]["lr_scheduler_type"])
+    Path(args.out).write_text(json.dumps(result, indent=2))
+    print(f"trl_side summary: {json.dumps({k: v for k, v in result.items() if k not in ('rewards', 'step_end_s', 'config')})}", flush=True)
+    return result
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    main()
