@@ -204,6 +204,9 @@ def _cli(tmp_path: Path):
             stdout=log,
             stderr=subprocess.STDOUT,
             start_new_session=True,
+            # as from a terminal: a suite started in the background (`cmd &`) ignores SIGINT, and children
+            # inherit that, which would defeat the Ctrl-C test and the "worker ignores SIGINT" probe
+            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
         )
     seen: set[int] = set()
     try:

@@ -331,3 +331,23 @@ def test_a_distributed_sync_refuses_a_group_with_a_dead_member():
             pool.sync_weights(model.named_parameters(), version=1)
     finally:
         pool.close()
+
+
+def test_generation_through_sglang_router():
+    """The real sglang_router (PyPI) in front of two stand-in servers: generation goes through the router,
+    weight updates to each server; close() stops the router and the servers it launched."""
+    pytest.importorskip("sglang_router")
+    model, tokenizer = tiny_qwen2()
+    pool = start_pool(model, tokenizer, num_servers=2, router=True, router_port=free_port(), sync_method="disk")
+    pids = pool.launched_pids()
+    try:
+        assert len(pids) == 3 and pool.health()["router"] is not None
+        pool.sync_weights(model.named_parameters(), version=0)
+        groups = {g.prompt_id: g for g in pool.generate(requests_for(0, prompts=6), SAMPLING)}
+        assert sorted(groups) == list(range(6)) and {g.version for g in groups.values()} == {0}
+        request = requests_for(0)[0]
+        for completion, logprobs in zip(groups[0].completions, groups[0].logprobs):
+            torch.testing.assert_close(torch.tensor(logprobs), trainer_logprobs(model, request.prompt_ids, completion, 0.7), atol=1e-4, rtol=0)
+    finally:
+        pool.close()
+    assert not any(alive(p) for p in pids)

@@ -3,11 +3,11 @@
 The pool launches ``python -m sglang.launch_server`` subprocesses (or attaches to running servers by URL)
 and talks to them through SGLang's native HTTP API:
 
-- generation: one ``POST /generate`` per group, all of the iteration's groups in flight at once, each
-  group handed to the trainer the moment it is finished. A group is a batch of G copies of the prompt,
-  each with its own ``sampling_seed`` (one request with ``n=G`` would give every sample the same seed),
-  ``return_logprob`` for the sampled tokens' log-probs and ``no_stop_trim`` so the stop token stays in the
-  completion. Each answer's ``meta_info.weight_version`` stamps the group: the datamodule refuses any
+- generation: one ``POST /generate`` per sample, all of the iteration's samples in flight at once, each
+  group handed to the trainer the moment its G samples are finished. Each sample has its own
+  ``sampling_seed`` (one request with ``n=G`` would give every sample the same seed), ``return_logprob``
+  for the sampled tokens' log-probs and ``no_stop_trim`` so the stop token stays in the completion.
+  Single requests, not batches: ``sglang_router`` accepts only those, and a retry redoes one sample. Each answer's ``meta_info.weight_version`` stamps the group: the datamodule refuses any
   version other than the iteration's.
 - weight sync, wrapped in ``/pause_generation`` → update → ``/flush_cache`` → ``/get_weight_version``
   (every server must report the new version) → ``/continue_generation``, by one of three methods:
@@ -413,35 +413,42 @@ class SGLangRolloutPool(RolloutPool):
                 task.cancel()
 
     async def _generate_group(self, request: GroupRequest, sampling: SamplingParams, limit: asyncio.Semaphore, finished: queue.Queue) -> None:
-        payload = self._payload(request, sampling)
-        errors: list[str] = []
         async with limit:
-            while True:
-                server = self._pick_server()
-                if server is None:
-                    raise RuntimeError(
-                        f"prompt {request.prompt_id}: no live SGLang server left (all of {[s.url for s in self._servers]} failed); "
-                        f"errors: {errors[-3:]}"
-                    )
-                target = self._router or server  # with a router, it balances; `server` only keeps the books
-                server.in_flight += 1
-                server.busy_from = server.busy_from or time.monotonic()
-                try:
-                    answer = await self._post(target.url, "/generate", payload, self.request_timeout_s)
-                    group = self._parse(request, answer, target.url)
-                except (ServerError, OSError, asyncio.TimeoutError) as error:
-                    errors.append(f"{target.url}: {type(error).__name__}: {error}")
-                    if len(errors) > self.max_retries:
-                        raise RuntimeError(f"prompt {request.prompt_id}: /generate failed {len(errors)} times: {errors}") from error
-                    await self._check_alive(target)
-                    continue
-                finally:
-                    server.in_flight -= 1
-                server.busy_to = time.monotonic()
-                finished.put(group)
-                return
+            samples = await asyncio.gather(*(self._generate_sample(request, k, sampling) for k in range(request.group_size)))
+        urls = sorted({url for url, _ in samples})
+        finished.put(self._parse(request, [answer for _, answer in samples], ", ".join(urls)))
 
-    def _payload(self, request: GroupRequest, sampling: SamplingParams) -> dict:
+    async def _generate_sample(self, request: GroupRequest, index: int, sampling: SamplingParams) -> tuple[str, dict]:
+        """One sample, one request: sglang_router accepts only single requests, and a retry redoes one sample."""
+        payload = self._payload(request, index, sampling)
+        errors: list[str] = []
+        while True:
+            server = self._pick_server()
+            if server is None:
+                raise RuntimeError(
+                    f"prompt {request.prompt_id}: no live SGLang server left (all of {[s.url for s in self._servers]} failed); "
+                    f"errors: {errors[-3:]}"
+                )
+            target = self._router or server  # with a router, it balances; `server` only keeps the books
+            server.in_flight += 1
+            server.busy_from = server.busy_from or time.monotonic()
+            try:
+                answer = await self._post(target.url, "/generate", payload, self.request_timeout_s)
+                reason = answer.get("meta_info", {}).get("finish_reason") if isinstance(answer, dict) else None
+                if isinstance(reason, dict) and reason.get("type") == "abort":
+                    raise ServerError(f"sample {index} was aborted: {reason.get('message', reason)}")
+            except (ServerError, OSError, asyncio.TimeoutError) as error:
+                errors.append(f"{target.url}: {type(error).__name__}: {error}")
+                if len(errors) > self.max_retries:
+                    raise RuntimeError(f"prompt {request.prompt_id} sample {index}: /generate failed {len(errors)} times: {errors}") from error
+                await self._check_alive(target)
+                continue
+            finally:
+                server.in_flight -= 1
+            server.busy_to = time.monotonic()
+            return target.url, answer
+
+    def _payload(self, request: GroupRequest, index: int, sampling: SamplingParams) -> dict:
         params = {
             "temperature": sampling.temperature,
             "top_p": sampling.top_p,
@@ -450,12 +457,9 @@ class SGLangRolloutPool(RolloutPool):
             "stop_token_ids": sorted({self._eos_id, *sampling.stop_token_ids}),
             "skip_special_tokens": False,
             "no_stop_trim": True,  # keep the stop token: the trainer scores and trains on it
+            "sampling_seed": request.seeds[index],  # its own seed: `n=G` would give every sample the same one
         }
-        return {
-            "input_ids": [list(request.prompt_ids)] * request.group_size,
-            "sampling_params": [dict(params, sampling_seed=seed) for seed in request.seeds],
-            "return_logprob": True,
-        }
+        return {"input_ids": list(request.prompt_ids), "sampling_params": params, "return_logprob": True}
 
     def _parse(self, request: GroupRequest, answer, url: str) -> Group:
         G = request.group_size
