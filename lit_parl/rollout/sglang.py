@@ -476,8 +476,6 @@ class SGLangRolloutPool(RolloutPool):
                     f"{url}/generate for prompt {request.prompt_id} sample {k}: meta_info lacks output_token_logprobs or finish_reason "
                     f"(is return_logprob honoured?): {str(output)[:300]}"
                 )
-            if reason.get("type") == "abort":
-                raise ServerError(f"sample {k} was aborted: {reason.get('message', reason)}")
             if reason.get("type") not in ("stop", "length"):
                 raise MalformedResponse(f"{url}/generate for prompt {request.prompt_id} sample {k}: unknown finish_reason {reason}")
             try:
