@@ -47,21 +47,19 @@ from __future__ import annotations
 
 import logging
 import os
-import queue
 import shutil
 import signal
 import tempfile
 import time
 import traceback
 import weakref
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 
 import torch
-import torch.multiprocessing as mp
 from transformers import PreTrainedModel
 
-from lit_parl.rollout.base import RewardFunction, RolloutPool
-from lit_parl.rollout.hf import _die_with_parent, _stop_processes
+from lit_parl.rollout.base import RewardFunction
+from lit_parl.rollout.workers import SpawnedWorkerPool, die_with_parent, inbox_messages, stop_processes
 from lit_parl.trajectory import Group, GroupRequest, SamplingParams
 
 EXTENSION = "lit_parl.rollout.vllm.VLLMWorkerExtension"
@@ -165,7 +163,7 @@ def _sample_groups(engine, requests: list[GroupRequest], sampling: SamplingParam
 
 
 def _worker_main(worker_id, model_dir, engine_args, reward_fn, eos_id, threads, inbox, results, parent_pid) -> None:
-    _die_with_parent()
+    die_with_parent()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C goes to the trainer, which closes the pool
     try:
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine core runs in this process
@@ -179,16 +177,8 @@ def _worker_main(worker_id, model_dir, engine_args, reward_fn, eos_id, threads, 
         shared: dict[str, torch.Tensor] = {}
         version = None
         results.put(("ready", worker_id, os.getpid()))
-        while True:
-            try:
-                message = inbox.get(timeout=1.0)
-            except queue.Empty:
-                if os.getppid() != parent_pid:
-                    return
-                continue
+        for message in inbox_messages(inbox, parent_pid):
             kind = message[0]
-            if kind == "stop":
-                return
             if kind == "attach":
                 shared = message[1]
             elif kind == "sync":
@@ -224,7 +214,7 @@ def _worker_main(worker_id, model_dir, engine_args, reward_fn, eos_id, threads, 
         results.put(("error", worker_id, traceback.format_exc()))
 
 
-class VLLMRolloutPool(RolloutPool):
+class VLLMRolloutPool(SpawnedWorkerPool):
     """``num_workers`` spawned processes, each running one vLLM engine.
 
     The policy is saved once (``save_pretrained``, safetensors) to a temporary directory the pool owns,
@@ -236,8 +226,12 @@ class VLLMRolloutPool(RolloutPool):
 
     Each engine uses ``threads_per_worker`` CPU threads while the trainer runs. Colocated (sync mode:
     generation and training take turns), each gets ``colocated_threads``, by default all cores divided
-    between the workers.
+    between the workers. Owns the engine arguments, the model directory and the shutdown of any process
+    vLLM starts under a worker; the processes, the weights and the messages are ``SpawnedWorkerPool``'s.
     """
+
+    backend = "vllm"
+    worker_label = "vLLM worker"
 
     def __init__(
         self,
@@ -254,13 +248,7 @@ class VLLMRolloutPool(RolloutPool):
         start_timeout_s: float = 600.0,
         response_timeout_s: float = 600.0,
     ) -> None:
-        if num_workers < 1:
-            raise ValueError(f"rollout.pool.num_workers must be >= 1, got {num_workers}")
-        if threads_per_worker < 1:
-            raise ValueError(f"rollout.pool.threads_per_worker must be >= 1, got {threads_per_worker}")
-        self.num_workers = num_workers
-        self.threads_per_worker = threads_per_worker
-        self.colocated_threads = colocated_threads
+        super().__init__(num_workers, threads_per_worker, colocated_threads, start_timeout_s, response_timeout_s)
         self.engine_args = {
             "skip_tokenizer_init": True,
             "dtype": dtype,
@@ -275,104 +263,25 @@ class VLLMRolloutPool(RolloutPool):
             **({"max_num_seqs": int(max_num_seqs)} if max_num_seqs else {}),
             **dict(engine_kwargs or {}),
         }
-        self.start_timeout_s = start_timeout_s
-        self.response_timeout_s = response_timeout_s
-        self.version = None
         self.model_dir: str | None = None
-        self._processes: list[mp.Process] = []
-        self._inboxes: list = []
-        self._results = None
-        self._shared: dict[str, torch.Tensor] | None = None
-        self._intervals: list[tuple[float, float]] = []
-        self._finalizer = None
 
-    # -- lifecycle -------------------------------------------------------------------------------------
     def start(self, policy: PreTrainedModel, reward_fn: RewardFunction, eos_id: int, pad_id: int, colocated: bool) -> None:
-        if self._processes:
-            raise RuntimeError("VLLMRolloutPool.start called twice")
-        if colocated:
-            threads = self.colocated_threads or max(1, (os.cpu_count() or 1) // self.num_workers)
-        else:
-            threads = self.threads_per_worker
+        self._open_queues()
         self.model_dir = tempfile.mkdtemp(prefix="lit_parl-vllm-")
-        context = mp.get_context("spawn")
-        self._results = context.Queue()
-        self._inboxes = [context.Queue() for _ in range(self.num_workers)]
         # remove the directory and stop the workers even if the owner forgets to close the pool
         self._finalizer = weakref.finalize(self, _shutdown, self._processes, self._inboxes, self.model_dir)
         policy.save_pretrained(self.model_dir)  # safetensors; no tokenizer: the engine gets token ids
-        for worker_id in range(self.num_workers):
-            process = context.Process(
-                target=_worker_main,
-                args=(worker_id, self.model_dir, self.engine_args, reward_fn, eos_id, threads,
-                      self._inboxes[worker_id], self._results, os.getpid()),
-                name=f"lit_parl-vllm-{worker_id}",
-                # not daemonic: a daemonic process may not start processes, and vLLM starts its own with
-                # tensor parallelism; the finalizer (also at exit) and PR_SET_PDEATHSIG stop the worker
-                daemon=False,
-            )
-            process.start()
-            self._processes.append(process)  # the finalizer holds this same list
-        ready = set()
-        while len(ready) < self.num_workers:
-            kind, worker_id, *_ = self._receive(self.start_timeout_s, "starting")
-            if kind != "ready":
-                raise RuntimeError(f"vLLM worker {worker_id} sent {kind!r} while starting")
-            ready.add(worker_id)
+        threads = self._worker_threads(colocated)
+        # not daemonic: a daemonic process may not start processes, and vLLM starts its own with tensor
+        # parallelism; the finalizer (also at exit) and PR_SET_PDEATHSIG stop the worker
+        self._spawn(_worker_main, (self.model_dir, self.engine_args, reward_fn, eos_id, threads), name="lit_parl-vllm", daemon=False)
         # the engines have read the model: the directory can go now, so that nothing is left behind even
         # if this process is SIGKILLed later (the finalizer would not run)
         shutil.rmtree(self.model_dir, ignore_errors=True)
 
-    def close(self) -> None:
-        if self._finalizer is not None:
-            self._finalizer()
-        self._processes, self._inboxes, self._shared, self.version = [], [], None, None
-
-    def health(self) -> dict:
-        return {
-            "backend": "vllm",
-            "workers": len(self._processes),
-            "alive": sum(p.is_alive() for p in self._processes),
-            "version": self.version,
-        }
-
-    def reserved_cpus(self, colocated: bool) -> int:
-        return 0 if colocated else self.num_workers * self.threads_per_worker
-
-    def pids(self) -> list[int]:
-        return [p.pid for p in self._processes]
-
-    # -- weights ---------------------------------------------------------------------------------------
-    def sync_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
-        self._require_started()
-        tensors = {name: t.detach() for name, t in named_tensors}
-        if self._shared is None:
-            self._shared = {name: t.to("cpu", copy=True).share_memory_() for name, t in tensors.items()}
-            for inbox in self._inboxes:
-                inbox.put(("attach", self._shared))
-        else:
-            missing = set(self._shared) ^ set(tensors)
-            if missing:
-                raise ValueError(f"sync_weights got a different set of tensors than before: {sorted(missing)[:5]}")
-            with torch.no_grad():
-                for name, t in tensors.items():
-                    self._shared[name].copy_(t)
-        self.version = None  # nothing may be generated until every worker confirmed the new version
-        for inbox in self._inboxes:
-            inbox.put(("sync", version))
-        confirmed = set()
-        while len(confirmed) < self.num_workers:
-            kind, worker_id, *rest = self._receive(self.response_timeout_s, f"syncing version {version}")
-            if kind != "synced" or rest[0] != version:
-                raise RuntimeError(f"vLLM worker {worker_id} answered {kind!r} {rest} while syncing version {version}")
-            confirmed.add(worker_id)
-        self.version = version
-
-    # -- generation ------------------------------------------------------------------------------------
     def generate(self, requests: list[GroupRequest], sampling: SamplingParams) -> Iterator[Group]:
         self._require_started()
         self.check_requests(requests)
-        self._intervals = []
         # every prompt goes out now, round-robin: each engine batches all of its share at once
         shares = [requests[i :: self.num_workers] for i in range(self.num_workers)]
         busy = 0
@@ -380,50 +289,7 @@ class VLLMRolloutPool(RolloutPool):
             if share:
                 inbox.put(("generate", share, sampling))
                 busy += 1
-        waiting = {r.prompt_id for r in requests}
-        while waiting:
-            kind, worker_id, *rest = self._receive(self.response_timeout_s, "generating")
-            if kind == "group":
-                group = rest[0]
-                if group.prompt_id not in waiting:
-                    raise RuntimeError(f"vLLM worker {worker_id} returned prompt_id {group.prompt_id}, which was not requested or already returned")
-                waiting.discard(group.prompt_id)
-                yield group
-            elif kind == "done":
-                self._intervals.append((rest[0], rest[1]))
-                busy -= 1
-            else:
-                raise RuntimeError(f"vLLM worker {worker_id} sent unexpected {kind!r} while generating")
-        while busy:  # collect the last "done" so the next call starts clean
-            kind, worker_id, *rest = self._receive(self.response_timeout_s, "finishing")
-            if kind != "done":
-                raise RuntimeError(f"vLLM worker {worker_id} sent unexpected {kind!r} after its groups")
-            self._intervals.append((rest[0], rest[1]))
-            busy -= 1
-
-    def busy_intervals(self) -> list[tuple[float, float]]:
-        return list(self._intervals)
-
-    # -- internals -------------------------------------------------------------------------------------
-    def _require_started(self) -> None:
-        if not self._processes:
-            raise RuntimeError("VLLMRolloutPool is not started (call start() first, or it was closed)")
-
-    def _receive(self, timeout_s: float, doing: str) -> tuple:
-        deadline = time.monotonic() + timeout_s
-        while True:
-            try:
-                message = self._results.get(timeout=0.2)
-            except queue.Empty:
-                dead = [(p.name, p.exitcode) for p in self._processes if not p.is_alive()]
-                if dead:
-                    raise RuntimeError(f"vLLM worker(s) died while {doing}: {dead} (name, exit code)") from None
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"no answer from the vLLM workers for {timeout_s:.0f} s while {doing}") from None
-                continue
-            if message[0] == "error":
-                raise RuntimeError(f"vLLM worker {message[1]} failed while {doing}:\n{message[2]}")
-            return message
+        yield from self._collect(requests, busy)
 
 
 def _process_table() -> dict[int, tuple[int, int]]:
@@ -459,7 +325,7 @@ def _shutdown(processes: list, inboxes: list, model_dir: str) -> None:
     # vLLM may start processes of its own under a worker (e.g. tensor parallelism): note them first,
     # since they are re-parented once the worker has gone
     leftovers = _descendants([p.pid for p in processes if p.pid is not None])
-    _stop_processes(processes, inboxes)
+    stop_processes(processes, inboxes)
     table = _process_table()
     for pid, start in leftovers.items():
         if table.get(pid, (None, None))[1] == start:  # still that process, not a reused pid
