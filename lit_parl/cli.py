@@ -61,6 +61,7 @@ def build(cfg: DictConfig) -> tuple[GRPOModule, RolloutDataModule, lightning.Tra
         min_packing_gain=rollout.min_packing_gain,
         max_row_tokens=rollout.max_row_tokens,
         max_sampling_rounds=rollout.max_sampling_rounds,
+        prefetch=rollout.prefetch,
     )
     check_mini_batches(rollout.prompts_per_iteration, rollout.group_size, rollout.micro_batch_size, algorithm.mini_batches)
     if objective.kl_in_reward and rollout.micro_batch_size % rollout.group_size:

@@ -23,8 +23,10 @@ Example (the CLI builds the same from ``conf/``)::
 from __future__ import annotations
 
 import dataclasses
+import queue
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -68,6 +70,47 @@ def _identity(batch):
     return batch
 
 
+_END = object()
+
+
+def _prefetched(items: Iterator, name: str) -> Iterator:
+    """Run the generator ``items`` in a daemon thread, ahead of the consumer; re-raise its errors here.
+
+    Closing this generator (the consumer failed or stopped) tells the thread to stop at its next item.
+    A thread blocked inside the pool ends when the pool is closed (its receive raises).
+    """
+    handoff: queue.SimpleQueue = queue.SimpleQueue()
+    stop = threading.Event()
+
+    def produce() -> None:
+        try:
+            for item in items:
+                if stop.is_set():
+                    return
+                handoff.put((item, None))
+            handoff.put((_END, None))
+        except BaseException as error:  # noqa: BLE001 - re-raised in the consumer's thread
+            handoff.put((None, error))
+
+    thread = threading.Thread(target=produce, name=name, daemon=True)
+    thread.start()
+    try:
+        while True:
+            try:
+                item, error = handoff.get(timeout=1.0)
+            except queue.Empty:
+                if not thread.is_alive() and handoff.empty():
+                    raise RuntimeError(f"the prefetch thread {name} ended without a word") from None
+                continue
+            if error is not None:
+                raise error
+            if item is _END:
+                return
+            yield item
+    finally:
+        stop.set()
+
+
 class _IterationStream(IterableDataset):
     """The micro-batches of the datamodule's current iteration. Sized, so Lightning does not prefetch."""
 
@@ -99,6 +142,7 @@ class RolloutDataModule(LightningDataModule):
         min_packing_gain: float = 1.5,
         max_row_tokens: int | None = None,
         max_sampling_rounds: int = 8,
+        prefetch: bool = True,
     ) -> None:
         super().__init__()
         if group_size < 2:
@@ -140,6 +184,9 @@ class RolloutDataModule(LightningDataModule):
         self.passes = 1
         self.dynamic_sampling = False
         self.max_sampling_rounds = max_sampling_rounds
+        self.prefetch = prefetch  # receive groups and collate micro-batches in a thread, while the trainer trains
+        self._tokenized: dict[int, tuple[tuple[int, ...], tuple[int, ...]]] = {}  # prompt_id -> (prompt, answer) ids
+        self._tokenized_lock = threading.RLock()
 
     @property
     def iteration_samples(self) -> int:
@@ -186,6 +233,7 @@ class RolloutDataModule(LightningDataModule):
 
     def load_state_dict(self, state_dict: dict) -> None:
         self.cursor = state_dict["cursor"]
+        self._tokenized.clear()
         self.iterations_done = state_dict["iterations_done"]
         self.last_version = state_dict["last_version"]
 
@@ -211,19 +259,31 @@ class RolloutDataModule(LightningDataModule):
         return version
 
     # -- one iteration ---------------------------------------------------------------------------------
+    def tokenize(self, prompt_ids: list[int]) -> None:
+        """Tokenize these prompts (and answers) ahead, in one batched call; ``requests`` takes them from here."""
+        with self._tokenized_lock:  # held throughout: the next iteration's requests wait for, not redo, this
+            missing = [prompt_id for prompt_id in prompt_ids if prompt_id not in self._tokenized]
+            if not missing:
+                return
+            texts = [self.task.make(prompt_id) for prompt_id in missing]
+            encoded = self.tokenizer([t for pair in texts for t in pair], add_special_tokens=False).input_ids
+            for i, prompt_id in enumerate(missing):
+                self._tokenized[prompt_id] = (tuple(encoded[2 * i]), tuple(encoded[2 * i + 1]))
+
     def requests(self, prompt_ids: list[int], version: int) -> dict[int, GroupRequest]:
-        """The requests for these prompts, by prompt_id. One batched tokenizer call: the iteration waits on it."""
-        texts = [self.task.make(prompt_id) for prompt_id in prompt_ids]
-        encoded = self.tokenizer([t for pair in texts for t in pair], add_special_tokens=False).input_ids
+        """The requests for these prompts, by prompt_id (prompts not tokenized ahead are tokenized now)."""
+        with self._tokenized_lock:  # the previous iteration's producer may still be tokenizing these
+            self.tokenize(prompt_ids)
+            tokenized = {prompt_id: self._tokenized.pop(prompt_id) for prompt_id in prompt_ids}
         return {
             prompt_id: GroupRequest(
                 prompt_id=prompt_id,
-                prompt_ids=tuple(encoded[2 * i]),
-                answer_ids=tuple(encoded[2 * i + 1]),
+                prompt_ids=tokenized[prompt_id][0],
+                answer_ids=tokenized[prompt_id][1],
                 version=version,
                 seeds=tuple(sample_seed(self.seed, version, prompt_id, s) for s in range(self.group_size)),
             )
-            for i, prompt_id in enumerate(prompt_ids)
+            for prompt_id in prompt_ids
         }
 
     def request(self, prompt_id: int, version: int) -> GroupRequest:
@@ -234,30 +294,47 @@ class RolloutDataModule(LightningDataModule):
         return self.requests(list(range(self.cursor, self.cursor + self.prompts_per_iteration)), version)
 
     def _stream_iteration(self):
+        """What Lightning iterates: waits for the gate, then hands out the iteration's micro-batches.
+
+        With ``prefetch``, a background thread receives groups and collates micro-batches while the
+        trainer trains, so a step never waits on unpickling, checks or packing. Lightning knows the
+        stream's length and never resumes it after the last micro-batch, so the iteration is booked
+        just before that one leaves; by then the producer is done with the pool.
+        """
+        version = self._wait_for_gate()
+        stats = IterationStats(version=version, requested_at=time.monotonic())
+        batches = self._micro_batches(version, stats)
+        if self.prefetch:
+            batches = _prefetched(batches, f"lit_parl-prefetch-{self.iterations_done}")
+        total, count = self.micro_batches_per_iteration * self.passes, 0
+        try:
+            for batch in batches:
+                count += 1
+                if count == total:
+                    self._finish_iteration(stats)
+                yield batch
+                if count == total:
+                    return
+        finally:
+            batches.close()  # also stops the prefetch thread when the fit fails mid-iteration
+        raise RuntimeError(f"iteration {self.iterations_done} produced {count} of its {total} micro-batches")
+
+    def _micro_batches(self, version: int, stats: IterationStats):
         """Pass 0 streams as groups arrive; passes 1.. replay the same micro-batches.
 
         The iteration's N prompt slots are split into ``mini_batches`` fixed blocks by schedule position,
         so a mini-batch's content does not depend on arrival order; a mini-batch's micro-batches leave as
         soon as its groups are in. With dynamic sampling, a dropped group's slot is refilled by a new
         prompt in the next round (slots refilled in schedule order, so the result is order-independent too).
+        Every exchange with the pool ends before the last micro-batch of pass 0 leaves.
         """
-        version = self._wait_for_gate()
         N, M = self.prompts_per_iteration, self.mini_batches
         per_mini_batch = N // M
-        stats = IterationStats(version=version, requested_at=time.monotonic())
         slots: dict[int, list[Trajectory]] = {}  # slot -> accepted group's trajectories
         dropped: list[tuple[int, list[Trajectory]]] = []  # (slot, group) with all-equal rewards
         ready: list[list[Trajectory]] = [[] for _ in range(M)]  # per mini-batch, in arrival order
         emitted: list[MicroBatch] = []
-        total = self.micro_batches_per_iteration * self.passes
-        next_mini_batch, offset, count = 0, 0, 0
-
-        def book(batch: MicroBatch) -> MicroBatch:
-            nonlocal count
-            count += 1
-            if count == total:  # book the iteration before its last micro-batch leaves (see below)
-                self._finish_iteration(stats)
-            return batch
+        next_mini_batch, offset = 0, 0
 
         def emit(chunk: list[Trajectory]) -> MicroBatch:
             nonlocal offset
@@ -268,7 +345,7 @@ class RolloutDataModule(LightningDataModule):
             offset += len(chunk)
             if self.passes > 1:  # kept for the later passes' replay
                 emitted.append(batch)
-            return book(batch)
+            return batch
 
         open_slots = list(range(N))
         for _ in range(self.max_sampling_rounds if self.dynamic_sampling else 1):
@@ -293,8 +370,7 @@ class RolloutDataModule(LightningDataModule):
                 slot = slot_of.get(group.prompt_id, -1)
                 trajectories = self._accept(group, waiting, version, stats)
                 if not waiting:
-                    # Lightning knows the stream's length and never asks past it: drain the pool's stream
-                    # now, so no code has to run after the final yield.
+                    # drain the pool's stream now, so no exchange with the pool runs after the final yield
                     for extra in groups:
                         raise RuntimeError(f"the pool returned prompt_id {extra.prompt_id} after the round was complete")
                 if self.dynamic_sampling and trajectories[0].zero_variance:
@@ -310,6 +386,7 @@ class RolloutDataModule(LightningDataModule):
                     if offset % (per_mini_batch * self.group_size) == 0:
                         next_mini_batch += 1
             open_slots = sorted(set(range(N)) - set(slots))
+        next_first = self.cursor + stats.prompts_drawn  # read now: the consumer moves the cursor at the last micro-batch
         if open_slots:  # dynamic sampling ran out of rounds: refill with zero-variance groups (no gradient)
             for (_, trajectories), slot in zip(sorted(dropped, key=lambda d: d[0]), open_slots):
                 slots[slot] = trajectories
@@ -323,7 +400,10 @@ class RolloutDataModule(LightningDataModule):
                 next_mini_batch += 1
         for pass_index in range(1, self.passes):  # later passes: the same micro-batches, same mini-batches
             for batch in emitted:
-                yield book(dataclasses.replace(batch, pass_index=pass_index))
+                yield dataclasses.replace(batch, pass_index=pass_index)
+        # Only a prefetch thread gets here (Lightning never resumes after the last micro-batch): tokenize the
+        # next iteration's prompts while the trainer finishes this one, off the next iteration's critical path.
+        self.tokenize(list(range(next_first, next_first + N)))
 
     def _finish_iteration(self, stats: IterationStats) -> None:
         stats.completed_at = time.monotonic()
