@@ -19,6 +19,11 @@ completions of ragged lengths: groups finish at different times) and training-he
 
     .venv/bin/python benchmarks/async_vs_sync.py                 # all three, 3 runs per mode each
     .venv/bin/python benchmarks/async_vs_sync.py --workloads balanced --reps 5 --json out.json
+    .venv/bin/python benchmarks/async_vs_sync.py --prompts 128   # 16 micro-batches per iteration
+
+An iteration loses a fixed amount of overlap at each end: the trainer waits for the first chunk (fill)
+and trains the last micro-batch alone (drain). The more micro-batches an iteration has, the smaller that
+share: ``--prompts`` sets the iteration's size.
 """
 
 from __future__ import annotations
@@ -39,7 +44,7 @@ ROOT = Path(__file__).resolve().parents[1]
 COMMON = [
     "task=copy", "checkpoint_every=0", "trainer.max_time=null", "+trainer.enable_progress_bar=false",
     "model.hidden_size=128", "model.intermediate_size=512",
-    "rollout.prompts_per_iteration=64", "rollout.group_size=8",
+    "rollout.group_size=8",
 ]
 # Each workload: overrides on top of COMMON. Tuned on this 2-core machine so that, in async mode, the
 # balanced workload spends about as long generating as training (see RESULTS.md for the measured split).
@@ -55,12 +60,16 @@ MODES = {
     "sync": ["rollout.mode=sync"],
     "async": ["rollout.mode=async"],
     "sync-1t": ["rollout.mode=sync", "rollout.trainer_threads=1", "+rollout.pool.colocated_threads=1"],
+    # async with the micro-batches received and collated between the trainer's steps, not in a thread
+    "async-inline": ["rollout.mode=async", "rollout.prefetch=false"],
 }
+DEFAULT_MODES = ["sync", "async", "sync-1t"]
 
 
-def run_once(workload: str, mode: str, iterations: int, seed: int, extra: list[str]) -> dict:
+def run_once(workload: str, mode: str, prompts: int, iterations: int, seed: int, extra: list[str]) -> dict:
     with tempfile.TemporaryDirectory(prefix=f"lit_parl_bench_{workload}_{mode}_") as run_dir:
-        overrides = [*COMMON, *WORKLOADS[workload], *MODES[mode], f"iterations={iterations}", f"seed={seed}", f"run_dir={run_dir}", *extra]
+        overrides = [*COMMON, f"rollout.prompts_per_iteration={prompts}", *WORKLOADS[workload], *MODES[mode],
+                     f"iterations={iterations}", f"seed={seed}", f"run_dir={run_dir}", *extra]
         started = time.monotonic()
         done = subprocess.run([sys.executable, "-m", "lit_parl", *overrides], cwd=ROOT, capture_output=True, text=True)
         if done.returncode != 0:
@@ -74,6 +83,7 @@ def run_once(workload: str, mode: str, iterations: int, seed: int, extra: list[s
     return {
         "workload": workload,
         "mode": mode,
+        "prompts": prompts,
         "process_s": time.monotonic() - started,
         "completions_per_s": statistics.median(float(r["completions_per_s"]) for r in steady),
         "tokens_per_s": statistics.median(float(r["tokens_per_s"]) for r in steady),
@@ -88,33 +98,36 @@ def run_once(workload: str, mode: str, iterations: int, seed: int, extra: list[s
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=list(WORKLOADS))
+    parser.add_argument("--modes", nargs="+", default=DEFAULT_MODES, choices=list(MODES), help="async is always run")
     parser.add_argument("--reps", type=int, default=3, help="runs per mode and workload (interleaved)")
+    parser.add_argument("--prompts", type=int, default=64, help="prompts per iteration (x G=8 completions; micro-batches of 64)")
     parser.add_argument("--iterations", type=int, default=20)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", type=Path, default=None, help="write every run's figures here")
     parser.add_argument("extra", nargs="*", help="more Hydra overrides for every run")
     args = parser.parse_args()
 
-    print(f"machine: {os.cpu_count()} cores; {args.reps} runs per mode, {args.iterations} iterations each, interleaved", flush=True)
+    print(f"machine: {os.cpu_count()} cores; {args.prompts} prompts x 8 per iteration; {args.reps} runs per mode, "
+          f"{args.iterations} iterations each, interleaved", flush=True)
     results = []
     for workload in args.workloads:
         for rep in range(args.reps):
-            order = list(MODES)
+            order = [mode for mode in MODES if mode in args.modes or mode == "async"]
             for mode in order[rep % len(order):] + order[: rep % len(order)]:  # rotate: each mode runs first once
-                result = run_once(workload, mode, args.iterations, args.seed, args.extra)
+                result = run_once(workload, mode, args.prompts, args.iterations, args.seed, args.extra)
                 results.append(result)
-                print(f"  {workload:16s} {mode:5s} run {rep}: {result['completions_per_s']:8.1f} completions/s "
+                print(f"  {workload:16s} {mode:12s} run {rep}: {result['completions_per_s']:8.1f} completions/s "
                       f"gen {result['gen_busy_s'] * 1e3:6.1f} ms train {result['train_busy_s'] * 1e3:6.1f} ms "
                       f"iteration {result['iteration_s'] * 1e3:6.1f} ms", flush=True)
 
     print()
-    header = f"{'workload':16s} {'mode':5s} {'completions/s':>13s} {'tokens/s':>9s} {'gen ms':>7s} {'train ms':>8s} {'iter ms':>8s} {'overlap eff. (median, p10)':>27s}"
+    header = f"{'workload':16s} {'mode':12s} {'completions/s':>13s} {'tokens/s':>9s} {'gen ms':>7s} {'train ms':>8s} {'iter ms':>8s} {'overlap eff. (median, p10)':>27s}"
     print(header)
     print("-" * len(header))
     summary = {}
     for workload in args.workloads:
         per_mode = {}
-        for mode in MODES:
+        for mode in [mode for mode in MODES if mode in args.modes or mode == "async"]:
             runs = [r for r in results if r["workload"] == workload and r["mode"] == mode]
             efficiency = [e for r in runs for e in r["overlap_efficiency"]]
             per_mode[mode] = {
@@ -127,11 +140,11 @@ def main() -> None:
                 "overlap_p10": statistics.quantiles(efficiency, n=10)[0] if len(efficiency) > 1 else efficiency[0],
             }
             m = per_mode[mode]
-            overlap = f"{m['overlap_median']:.2f}, {m['overlap_p10']:.2f}" if mode == "async" else "(takes turns)"
-            print(f"{workload:16s} {mode:5s} {m['completions_per_s']:13.1f} {m['tokens_per_s']:9.1f} {m['gen_ms']:7.1f} {m['train_ms']:8.1f} "
+            overlap = f"{m['overlap_median']:.2f}, {m['overlap_p10']:.2f}" if mode.startswith("async") else "(takes turns)"
+            print(f"{workload:16s} {mode:12s} {m['completions_per_s']:13.1f} {m['tokens_per_s']:9.1f} {m['gen_ms']:7.1f} {m['train_ms']:8.1f} "
                   f"{m['iteration_ms']:8.1f} {overlap:>27s}")
         ratios = {}
-        for baseline in ("sync", "sync-1t"):
+        for baseline in [mode for mode in per_mode if mode != "async"]:
             ratio = per_mode["async"]["completions_per_s"] / per_mode[baseline]["completions_per_s"]
             token_ratio = per_mode["async"]["tokens_per_s"] / per_mode[baseline]["tokens_per_s"]
             ratios[baseline] = {"completions": ratio, "tokens": token_ratio}
