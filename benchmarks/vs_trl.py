@@ -5,6 +5,7 @@ Usage (from the repository root, after ``make install`` and ``benchmarks/setup_t
     .venv/bin/python benchmarks/vs_trl.py --quick                      # smoke run: 3 steps per side and workload
     .venv/bin/python benchmarks/vs_trl.py --out vs_trl.json             # 300 steps of (a), 40 of (b)
     .venv/bin/python benchmarks/vs_trl.py --workloads a --steps-a 200 --reps 2 --trl-threads 2,1
+    .venv/bin/python benchmarks/vs_trl.py --workloads a --seeds 0,1,2,3,4   # the reward, seed by seed
 
 Workloads:
   a  the default job: copy task, 32 prompts x G=8 per step, at most 6 new tokens, lr 5e-4, beta 0.
@@ -95,6 +96,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--workloads", default="a,b", help="comma-separated: a (copy task), b (copy task + preamble)")
     p.add_argument("--reps", type=int, default=1, help="repetitions; the side order alternates between them")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seeds", default=None, help="comma-separated seeds (weights at step 0, task, sampling): every "
+                   "workload and rep runs once per seed, and the rewards are compared seed by seed and on average")
     p.add_argument("--preamble-chars", type=int, default=200, help="workload b: preamble length in tokens (characters)")
     p.add_argument("--trl-python", default=str(ROOT / ".venv-trl" / "bin" / "python"))
     p.add_argument("--lit-parl", default=str(ROOT / ".venv" / "bin" / "lit-parl"))
@@ -272,12 +275,17 @@ def table(results: list[dict], sides: list[str]) -> str:
 
     for r in results:
         for key, name, fmt in KEYS:
-            row(r["workload"], r["steps"], r["rep"], name, fmt, {x: r[x][key] for x in lits + trls})
-    if len({r["rep"] for r in results}) > 1:
+            row(r["workload"], r["steps"], f"seed {r.get('seed', 0)}, rep {r['rep']}", name, fmt, {x: r[x][key] for x in lits + trls})
+    if len(results) > len({r["workload"] for r in results}):
         for workload in dict.fromkeys(r["workload"] for r in results):
             rows = [r for r in results if r["workload"] == workload]
             for key, name, fmt in KEYS[:2]:
                 row(workload, rows[0]["steps"], "median", name, fmt, {x: median([y[x][key] for y in rows]) for x in lits + trls})
+            row(workload, rows[0]["steps"], "mean", "reward, last 10% of steps", "{:.3f}",
+                {x: sum(y[x]["reward_last"] for y in rows) / len(rows) for x in lits + trls})
+            for a, b in pairs:
+                wins = sum(y[a]["reward_last"] >= y[b]["reward_last"] for y in rows)
+                lines.append(f"\n{workload}: {label(a)} reached at least {label(b)}'s last-10% reward in {wins} of {len(rows)} runs")
     return "\n".join(lines)
 
 
@@ -289,21 +297,24 @@ def main(argv=None) -> dict:
             raise SystemExit(f"{exe} not found: run {hint} first")
     work = Path(args.work_dir or tempfile.mkdtemp(prefix="vs_trl_"))
     work.mkdir(parents=True, exist_ok=True)
-    model_dir = work / "tiny_qwen2"
-    save_model(model_dir, args.seed)
+    seeds = [int(x) for x in args.seeds.split(",")] if args.seeds else [args.seed]
     steps_of = {"a": args.steps_a, "b": args.steps_b}
     print(f"vs_trl: work dir {work}; steps {({w: steps_of[w] for w in args.workloads})} x "
           f"{PROMPTS_PER_STEP * GROUP_SIZE} completions per side; TRL threads {args.trl_threads}", flush=True)
     sides = ["lit_parl", *(["lit_parl_sync"] if args.lit_sync else []), *(f"trl_t{t}" for t in args.trl_threads)]
     results = []
-    for rep in range(args.reps):
+    for run_index, (seed, rep) in enumerate((seed, rep) for seed in seeds for rep in range(args.reps)):
+        args.seed = seed  # read by both sides' command lines
+        model_dir = work / f"tiny_qwen2_seed{seed}"
+        if not model_dir.exists():
+            save_model(model_dir, seed)
         for workload in args.workloads:
             steps = steps_of[workload]
-            order = sides if rep % 2 == 0 else sides[::-1]  # A/B interleaved across reps
-            entry = {"workload": workload, "steps": steps, "rep": rep, "order": list(order)}
+            order = sides if run_index % 2 == 0 else sides[::-1]  # A/B interleaved across reps and seeds
+            entry = {"workload": workload, "steps": steps, "rep": rep, "seed": seed, "order": list(order)}
             for side in order:
-                tag = f"{workload}_rep{rep}_{side}"
-                print(f"vs_trl: workload {workload} rep {rep}: {side} ({steps} steps) ...", flush=True)
+                tag = f"{workload}_seed{seed}_rep{rep}_{side}"
+                print(f"vs_trl: workload {workload} seed {seed} rep {rep}: {side} ({steps} steps) ...", flush=True)
                 if side.startswith("lit_parl"):
                     mode = "sync" if side == "lit_parl_sync" else "async"
                     entry[side] = lit_parl_side(args, workload, steps, mode, model_dir, work / tag)
@@ -318,7 +329,7 @@ def main(argv=None) -> dict:
     report = {
         "date": time.strftime("%Y-%m-%d %H:%M:%S"),
         "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "python": sys.version.split()[0]},
-        "settings": {"steps": steps_of, "reps": args.reps, "seed": args.seed, "prompts_per_step": PROMPTS_PER_STEP,
+        "settings": {"steps": steps_of, "reps": args.reps, "seeds": seeds, "prompts_per_step": PROMPTS_PER_STEP,
                      "group_size": GROUP_SIZE, "micro_batch_size": MICRO_BATCH, "max_new_tokens": MAX_NEW_TOKENS,
                      "lr": LR, "beta": BETA, "preamble_chars": args.preamble_chars, "model": MODEL,
                      "trl_threads": args.trl_threads, "lit_overrides": args.lit_overrides, "sides": sides,
