@@ -6,20 +6,24 @@ modes, interleaved A B A B ... so that a noisy neighbour hurts both alike:
 - ``sync``: the colocated baseline. The pool generates the whole iteration, then the trainer trains on
   it; each phase gets every core (pool threads = trainer threads = all cores).
 - ``async``: periodic asynchrony. The pool (one worker, one thread) and the trainer (one thread) run at
-  the same time, each on one core: the same hardware.
+  the same time, each on one core: the same hardware. The trainer receives and collates each micro-batch
+  between its steps (``rollout.prefetch=false``, the default on CPU).
+- ``async-prefetch`` (``--modes``): the same with the prefetch thread, which receives and collates
+  micro-batches while the trainer trains (the default on an accelerator).
 - ``sync-1t``: the synchronous baseline at its best on this machine. A model this small runs no faster
   on two threads than on one, so this variant gives each phase one thread. It is reported beside `sync`
   so that the ratio does not depend on a handicapped baseline.
 
 Per mode it prints the median completions/s and tokens/s over the iterations after a warm-up, the
-async/sync ratio, and the overlap efficiency per iteration,
+async/sync ratio, the overlap efficiency per iteration,
 (gen_busy + train_busy - iteration_wall) / min(gen_busy, train_busy), 1.0 meaning the shorter phase is
-completely hidden. Three workloads: balanced (generation time ~ training time), generation-heavy (long
+completely hidden, and where the rest goes: the trainer's wait for its first micro-batch and the gaps
+between its steps. Three workloads: balanced (generation time ~ training time), generation-heavy (long
 completions of ragged lengths: groups finish at different times) and training-heavy.
 
     .venv/bin/python benchmarks/async_vs_sync.py                 # all three, 3 runs per mode each
     .venv/bin/python benchmarks/async_vs_sync.py --workloads balanced --reps 5 --json out.json
-    .venv/bin/python benchmarks/async_vs_sync.py --prompts 128   # 16 micro-batches per iteration
+    .venv/bin/python benchmarks/async_vs_sync.py --prompts 128 --modes sync sync-1t async-prefetch
 
 An iteration loses a fixed amount of overlap at each end: the trainer waits for the first chunk (fill)
 and trains the last micro-batch alone (drain). The more micro-batches an iteration has, the smaller that
@@ -57,13 +61,25 @@ WORKLOADS = {
 
 
 MODES = {
-    "sync": ["rollout.mode=sync"],
-    "async": ["rollout.mode=async"],
-    "sync-1t": ["rollout.mode=sync", "rollout.trainer_threads=1", "+rollout.pool.colocated_threads=1"],
-    # async with the micro-batches received and collated between the trainer's steps, not in a thread
-    "async-inline": ["rollout.mode=async", "rollout.prefetch=false"],
+    "sync": ["rollout.mode=sync", "rollout.prefetch=false"],
+    "async": ["rollout.mode=async", "rollout.prefetch=false"],  # the CPU default: collated between the steps
+    "sync-1t": ["rollout.mode=sync", "rollout.prefetch=false", "rollout.trainer_threads=1", "+rollout.pool.colocated_threads=1"],
+    # async with a prefetch thread receiving and collating micro-batches while the trainer trains
+    "async-prefetch": ["rollout.mode=async", "rollout.prefetch=true"],
 }
 DEFAULT_MODES = ["sync", "async", "sync-1t"]
+
+
+def _first_step_wait(iteration: dict) -> float:
+    """From the iteration's requests to its first training step (the window ends with the last step)."""
+    train = sorted(iteration["train"])
+    requested = train[-1][1] - iteration["wall_s"]
+    return train[0][0] - requested
+
+
+def _step_gaps(iteration: dict) -> float:
+    train = sorted(iteration["train"])
+    return sum(later[0] - earlier[1] for earlier, later in zip(train, train[1:]))
 
 
 def run_once(workload: str, mode: str, prompts: int, iterations: int, seed: int, extra: list[str]) -> dict:
@@ -91,6 +107,9 @@ def run_once(workload: str, mode: str, prompts: int, iterations: int, seed: int,
         "train_busy_s": statistics.median(it["train_busy_s"] for it in timeline[warm:]),
         "iteration_s": statistics.median(it["end"] - it["start"] for it in timeline[warm:]),
         "overlap_efficiency": [it["overlap_efficiency"] for it in timeline[warm:]],
+        # where the overlap goes: the trainer's wait for its first micro-batch (fill), and the gaps between its steps
+        "first_step_wait_s": statistics.median(_first_step_wait(it) for it in timeline[warm:]),
+        "step_gaps_s": statistics.median(_step_gaps(it) for it in timeline[warm:]),
         "reward_last10": summary.get("reward_last10"),
     }
 
@@ -137,12 +156,18 @@ def main() -> None:
                 "train_ms": 1e3 * statistics.median(r["train_busy_s"] for r in runs),
                 "iteration_ms": 1e3 * statistics.median(r["iteration_s"] for r in runs),
                 "overlap_median": statistics.median(efficiency),
+                "first_step_wait_ms": 1e3 * statistics.median(r["first_step_wait_s"] for r in runs),
+                "step_gaps_ms": 1e3 * statistics.median(r["step_gaps_s"] for r in runs),
                 "overlap_p10": statistics.quantiles(efficiency, n=10)[0] if len(efficiency) > 1 else efficiency[0],
             }
             m = per_mode[mode]
             overlap = f"{m['overlap_median']:.2f}, {m['overlap_p10']:.2f}" if mode.startswith("async") else "(takes turns)"
             print(f"{workload:16s} {mode:12s} {m['completions_per_s']:13.1f} {m['tokens_per_s']:9.1f} {m['gen_ms']:7.1f} {m['train_ms']:8.1f} "
                   f"{m['iteration_ms']:8.1f} {overlap:>27s}")
+        for mode in [mode for mode in per_mode if mode.startswith("async")]:
+            m = per_mode[mode]
+            print(f"{workload:16s} {mode:12s} overlap lost to: the wait for the first micro-batch {m['first_step_wait_ms']:.1f} ms, "
+                  f"gaps between training steps {m['step_gaps_ms']:.1f} ms per iteration")
         ratios = {}
         for baseline in [mode for mode in per_mode if mode != "async"]:
             ratio = per_mode["async"]["completions_per_s"] / per_mode[baseline]["completions_per_s"]

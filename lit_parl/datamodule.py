@@ -142,7 +142,7 @@ class RolloutDataModule(LightningDataModule):
         min_packing_gain: float = 1.5,
         max_row_tokens: int | None = None,
         max_sampling_rounds: int = 8,
-        prefetch: bool = True,
+        prefetch: bool | None = None,
     ) -> None:
         super().__init__()
         if group_size < 2:
@@ -184,7 +184,11 @@ class RolloutDataModule(LightningDataModule):
         self.passes = 1
         self.dynamic_sampling = False
         self.max_sampling_rounds = max_sampling_rounds
-        self.prefetch = prefetch  # receive groups and collate micro-batches in a thread, while the trainer trains
+        # Receive groups and collate micro-batches in a thread while the trainer trains. None: on when training
+        # on an accelerator (the thread's work overlaps the device's); off on CPU, where the thread would take
+        # CPU from the step or the pool (measured in benchmarks/RESULTS.md).
+        self.prefetch = prefetch
+        self._use_prefetch = bool(prefetch)
         self._tokenized: dict[int, tuple[tuple[int, ...], tuple[int, ...]]] = {}  # prompt_id -> (prompt, answer) ids
         self._tokenized_lock = threading.RLock()
 
@@ -207,6 +211,8 @@ class RolloutDataModule(LightningDataModule):
         self.passes = getattr(module, "passes", 1)
         check_mini_batches(self.prompts_per_iteration, self.group_size, self.micro_batch_size, self.mini_batches)
         self._module = module
+        on_cpu = self.trainer is None or isinstance(self.trainer.accelerator, CPUAccelerator)
+        self._use_prefetch = (not on_cpu) if self.prefetch is None else self.prefetch
         objective = getattr(module, "objective", None)
         self.dynamic_sampling = bool(getattr(objective, "dynamic_sampling", False))
         colocated = self.mode == "sync"
@@ -296,7 +302,7 @@ class RolloutDataModule(LightningDataModule):
     def _stream_iteration(self):
         """What Lightning iterates: waits for the gate, then hands out the iteration's micro-batches.
 
-        With ``prefetch``, a background thread receives groups and collates micro-batches while the
+        With prefetch, a background thread receives groups and collates micro-batches while the
         trainer trains, so a step never waits on unpickling, checks or packing. Lightning knows the
         stream's length and never resumes it after the last micro-batch, so the iteration is booked
         just before that one leaves; by then the producer is done with the pool.
@@ -304,7 +310,7 @@ class RolloutDataModule(LightningDataModule):
         version = self._wait_for_gate()
         stats = IterationStats(version=version, requested_at=time.monotonic())
         batches = self._micro_batches(version, stats)
-        if self.prefetch:
+        if self._use_prefetch:
             batches = _prefetched(batches, f"lit_parl-prefetch-{self.iterations_done}")
         total, count = self.micro_batches_per_iteration * self.passes, 0
         try:

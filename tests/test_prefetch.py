@@ -54,8 +54,16 @@ def test_prefetch_trains_bit_identical_weights_on_the_same_micro_batches():
         assert torch.equal(weights_a[name], weights_b[name]), name
 
 
+def test_prefetch_is_off_by_default_when_training_on_the_cpu():
+    module, data = make_components()
+    assert data.prefetch is None
+    fit(module, data, iterations=1)
+    assert data._use_prefetch is False
+
+
 def test_the_next_iterations_prompts_are_tokenized_ahead_and_equal_on_demand_tokenization():
     module, data = make_components()
+    data.prefetch = True
     fit(module, data, iterations=2)
     # the prefetch thread of the last iteration tokenized the prompts the next iteration would draw
     assert sorted(data._tokenized) == list(range(data.cursor, data.cursor + data.prompts_per_iteration))
@@ -69,6 +77,7 @@ def test_the_next_iterations_prompts_are_tokenized_ahead_and_equal_on_demand_tok
 
 def test_no_prefetch_thread_outlives_a_fit():
     module, data = make_components()
+    data.prefetch = True
     fit(module, data, iterations=2)
     assert _wait_for_no_prefetch_thread() == []
 
@@ -97,6 +106,7 @@ def test_a_failing_step_stops_the_prefetch_thread_while_it_waits_on_the_pool():
     pool must end the thread (its receive raises), not leave it polling for the response timeout."""
     pool = HFRolloutPool(num_workers=1, threads_per_worker=1, prompts_per_request=1, colocated_threads=1)
     module, data = make_components(pool=pool, prompts=4, group_size=4, micro_batch_size=4, task=SlowAfterFirstGroupTask(4))
+    data.prefetch = True
     with pytest.raises(RuntimeError, match="boom in the trainer"):
         fit(module, data, iterations=1, callbacks=[FailingStep()])
     assert pool.health()["workers"] == 0
