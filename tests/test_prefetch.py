@@ -65,6 +65,7 @@ def test_the_next_iterations_prompts_are_tokenized_ahead_and_equal_on_demand_tok
     module, data = make_components()
     data.prefetch = True
     fit(module, data, iterations=2)
+    assert _wait_for_no_prefetch_thread() == []  # it tokenizes after handing out its last micro-batch
     # the prefetch thread of the last iteration tokenized the prompts the next iteration would draw
     assert sorted(data._tokenized) == list(range(data.cursor, data.cursor + data.prompts_per_iteration))
     ahead = data.requests(list(range(data.cursor, data.cursor + 3)), version=5)
