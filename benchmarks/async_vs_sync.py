@@ -128,10 +128,11 @@ def main() -> None:
 
     print(f"machine: {os.cpu_count()} cores; {args.prompts} prompts x 8 per iteration; {args.reps} runs per mode, "
           f"{args.iterations} iterations each, interleaved", flush=True)
+    modes = [mode for mode in MODES if mode in args.modes or mode == "async"]
     results = []
     for workload in args.workloads:
         for rep in range(args.reps):
-            order = [mode for mode in MODES if mode in args.modes or mode == "async"]
+            order = modes
             for mode in order[rep % len(order):] + order[: rep % len(order)]:  # rotate: each mode runs first once
                 result = run_once(workload, mode, args.prompts, args.iterations, args.seed, args.extra)
                 results.append(result)
@@ -146,7 +147,7 @@ def main() -> None:
     summary = {}
     for workload in args.workloads:
         per_mode = {}
-        for mode in [mode for mode in MODES if mode in args.modes or mode == "async"]:
+        for mode in modes:
             runs = [r for r in results if r["workload"] == workload and r["mode"] == mode]
             efficiency = [e for r in runs for e in r["overlap_efficiency"]]
             per_mode[mode] = {

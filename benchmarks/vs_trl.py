@@ -286,6 +286,11 @@ def table(results: list[dict], sides: list[str]) -> str:
             for a, b in pairs:
                 wins = sum(y[a]["reward_last"] >= y[b]["reward_last"] for y in rows)
                 lines.append(f"\n{workload}: {label(a)} reached at least {label(b)}'s last-10% reward in {wins} of {len(rows)} runs")
+            steps, width = rows[0]["steps"], max(1, rows[0]["steps"] // 10)
+            lines.append(f"{workload}: mean reward per {width} steps over these runs, " + ", ".join(map(label, lits + trls)) + ":")
+            for start in range(0, steps, width):
+                means = [sum(sum(y[x]["rewards"][start : start + width]) / width for y in rows) / len(rows) for x in lits + trls]
+                lines.append(f"  steps {start}-{start + width - 1}: " + "  ".join(f"{m:.3f}" for m in means))
     return "\n".join(lines)
 
 
