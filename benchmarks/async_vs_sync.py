@@ -7,7 +7,7 @@ modes, interleaved A B A B ... so that a noisy neighbour hurts both alike:
   it; each phase gets every core (pool threads = trainer threads = all cores).
 - ``async``: periodic asynchrony. The pool (one worker, one thread) and the trainer (one thread) run at
   the same time, each on one core: the same hardware. The trainer receives and collates each micro-batch
-  between its steps (``rollout.prefetch=false``, the default on CPU).
+  between its steps (``datamodule.prefetch=false``, the default on CPU).
 - ``async-prefetch`` (``--modes``): the same with the prefetch thread, which receives and collates
   micro-batches while the trainer trains (the default on an accelerator).
 - ``sync-1t``: the synchronous baseline at its best on this machine. A model this small runs no faster
@@ -48,24 +48,24 @@ ROOT = Path(__file__).resolve().parents[1]
 COMMON = [
     "task=copy", "checkpoint_every=0", "trainer.max_time=null", "+trainer.enable_progress_bar=false",
     "model.hidden_size=128", "model.intermediate_size=512",
-    "rollout.group_size=8",
+    "shape.group_size=8",
 ]
 # Each workload: overrides on top of COMMON. Tuned on this 2-core machine so that, in async mode, the
 # balanced workload spends about as long generating as training (see RESULTS.md for the measured split).
 WORKLOADS = {
-    "balanced": ["rollout.sampling.max_new_tokens=12", "rollout.micro_batch_size=64", "rollout.pool.prompts_per_request=8"],
-    "generation-heavy": ["rollout.sampling.max_new_tokens=48", "rollout.micro_batch_size=64", "rollout.pool.prompts_per_request=8"],
-    "training-heavy": ["rollout.sampling.max_new_tokens=8", "rollout.micro_batch_size=64", "rollout.pool.prompts_per_request=8",
-                       "algorithm.passes=2", "algorithm.objective.beta=0.04"],
+    "balanced": ["sampling.max_new_tokens=12", "shape.micro_batch_size=64", "pool.prompts_per_request=8"],
+    "generation-heavy": ["sampling.max_new_tokens=48", "shape.micro_batch_size=64", "pool.prompts_per_request=8"],
+    "training-heavy": ["sampling.max_new_tokens=8", "shape.micro_batch_size=64", "pool.prompts_per_request=8",
+                       "shape.passes=2", "algorithm.objective.beta=0.04"],
 }
 
 
 MODES = {
-    "sync": ["rollout.mode=sync", "rollout.prefetch=false"],
-    "async": ["rollout.mode=async", "rollout.prefetch=false"],  # the CPU default: collated between the steps
-    "sync-1t": ["rollout.mode=sync", "rollout.prefetch=false", "rollout.trainer_threads=1", "+rollout.pool.colocated_threads=1"],
+    "sync": ["datamodule.mode=sync", "datamodule.prefetch=false"],
+    "async": ["datamodule.mode=async", "datamodule.prefetch=false"],  # the CPU default: collated between the steps
+    "sync-1t": ["datamodule.mode=sync", "datamodule.prefetch=false", "datamodule.trainer_threads=1", "+pool.colocated_threads=1"],
     # async with a prefetch thread receiving and collating micro-batches while the trainer trains
-    "async-prefetch": ["rollout.mode=async", "rollout.prefetch=true"],
+    "async-prefetch": ["datamodule.mode=async", "datamodule.prefetch=true"],
 }
 DEFAULT_MODES = ["sync", "async", "sync-1t"]
 
@@ -84,7 +84,7 @@ def _step_gaps(iteration: dict) -> float:
 
 def run_once(workload: str, mode: str, prompts: int, iterations: int, seed: int, extra: list[str]) -> dict:
     with tempfile.TemporaryDirectory(prefix=f"lit_parl_bench_{workload}_{mode}_") as run_dir:
-        overrides = [*COMMON, f"rollout.prompts_per_iteration={prompts}", *WORKLOADS[workload], *MODES[mode],
+        overrides = [*COMMON, f"shape.prompts={prompts}", *WORKLOADS[workload], *MODES[mode],
                      f"iterations={iterations}", f"seed={seed}", f"run_dir={run_dir}", *extra]
         started = time.monotonic()
         done = subprocess.run([sys.executable, "-m", "lit_parl", *overrides], cwd=ROOT, capture_output=True, text=True)

@@ -89,21 +89,21 @@ def exactness(out: Path, device: torch.device, backend: str) -> None:
 
 
 def speed(out: Path, device: torch.device, backend: str, reps: int = 5) -> None:
-    from lit_parl import GRPOModule, GRPOObjective
+    from lit_parl import GRPOModule, GRPOObjective, IterationShape
     from lit_parl.trajectory import Trajectory, collate
 
     config = Qwen2Config(vocab_size=32000, hidden_size=512, intermediate_size=1536, num_hidden_layers=8, num_attention_heads=8,
                          num_key_value_heads=4, tie_word_embeddings=True, max_position_embeddings=8192)
     torch.manual_seed(0)
     policy = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16, attn_implementation="sdpa").to(device)
-    module = GRPOModule(policy, GRPOObjective(beta=0.04), mini_batches=2, attention_backend=backend).to(device)
+    module = GRPOModule(policy, GRPOObjective(beta=0.04), IterationShape(prompts=2, group_size=8, micro_batch_size=8, mini_batches=2), attention_backend=backend).to(device)
     for P, R, G in [(512, 64, 8), (2048, 128, 16), (128, 32, 4)]:
         g = torch.Generator().manual_seed(P + R + G)
         prompt = torch.randint(3, 32000, (P,), generator=g).tolist()
         trajectories = [Trajectory(0, s, 0, prompt, torch.randint(3, 32000, (R,), generator=g).tolist(), [-1.0] * R, 0.0, float(s % 2) - 0.5, False) for s in range(G)]
         results = {}
         for packing in ("padded", "shared_prompt"):
-            batch = to_device(collate(trajectories, 0, 0, G, packing=packing), device)
+            batch = to_device(collate(trajectories, 0, 0, packing=packing), device)
 
             def step():
                 logp = module.completion_logprobs(module.policy, batch)
@@ -137,15 +137,16 @@ def speed(out: Path, device: torch.device, backend: str, reps: int = 5) -> None:
 def end_to_end(out: Path, device: torch.device) -> None:
     import lightning
 
-    from lit_parl import GRPOModule, GRPOObjective, RolloutDataModule, tiny_qwen2
+    from lit_parl import GRPOModule, GRPOObjective, IterationShape, Packing, RolloutDataModule, tiny_qwen2
     from lit_parl.callbacks import RunSummary, WeightSync
     from lit_parl.rollout import HFRolloutPool
     from lit_parl.tasks import CopyTask
 
     policy, tokenizer = tiny_qwen2(hidden_size=128, intermediate_size=512)
-    module = GRPOModule(policy, GRPOObjective(), tokenizer=tokenizer, lr=5e-4, attention_backend="auto")
-    data = RolloutDataModule(CopyTask(), HFRolloutPool(threads_per_worker=4), tokenizer, prompts_per_iteration=32, group_size=8,
-                             micro_batch_size=64, packing="shared_prompt", trainer_threads=4)
+    shape, objective = IterationShape(prompts=32, group_size=8, micro_batch_size=64), GRPOObjective()
+    module = GRPOModule(policy, objective, shape, tokenizer=tokenizer, attention_backend="auto")
+    data = RolloutDataModule(CopyTask(), HFRolloutPool(threads_per_worker=4), tokenizer, shape, objective, initial_model=policy,
+                             packing=Packing("shared_prompt"), trainer_threads=4)
     summary = RunSummary(dirpath=str(out / "fit"))
     trainer = lightning.Trainer(accelerator=device.type if device.type != "cpu" else "cpu", devices=1, max_epochs=60,
                                 callbacks=[WeightSync(), summary], logger=False, enable_checkpointing=False,

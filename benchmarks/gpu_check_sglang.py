@@ -18,6 +18,7 @@ import argparse
 import importlib.util
 import json
 import socket
+import tempfile
 import time
 import traceback
 from pathlib import Path
@@ -25,6 +26,7 @@ from pathlib import Path
 import torch
 
 from lit_parl.model import tiny_qwen2
+from lit_parl.rollout import PoolSpec
 from lit_parl.rollout.sglang import SGLangRolloutPool
 from lit_parl.tasks import CopyTask
 from lit_parl.trajectory import GroupRequest, SamplingParams, sample_seed
@@ -71,16 +73,20 @@ def main() -> None:
         port=free_port(), launch_command=args.launch_command, server_args=server_args, mem_fraction_static=0.3,
         dist_master_port=free_port(), dist_backend="nccl" if device.type == "cuda" else "gloo", start_timeout_s=300,
     )
+    model_dir = tempfile.TemporaryDirectory(prefix="gpu_check_sglang_")  # the launched server builds its model here
+    models[0].save_pretrained(model_dir.name)
+    tokenizer.save_pretrained(model_dir.name)
     started = time.monotonic()
     try:
-        pool.start(models[0], task, eos_id=tokenizer.eos_token_id, pad_id=tokenizer.pad_token_id, colocated=False)
+        pool.start(PoolSpec(model_dir.name, eos_id=tokenizer.eos_token_id, pad_id=tokenizer.pad_token_id))
         log(args.out, {"check": "sglang_launch", "status": "ok", "seconds": round(time.monotonic() - started, 1)})
         previous = None
         for version, method in enumerate(["disk", "tensor", "distributed"]):
             model = models[version + 1]
             pool.sync_method = method
             t0 = time.monotonic()
-            pool.sync_weights(model.named_parameters(), version)
+            named = list(model.named_parameters())
+            pool.sync_weights([named[i : i + 8] for i in range(0, len(named), 8)], version)  # buckets of 8 tensors
             sync_s = time.monotonic() - t0
             requests = []
             for prompt_id in range(16):
@@ -116,6 +122,7 @@ def main() -> None:
         log(args.out, {"check": "sglang", "status": "FAILED", "error": repr(error), "traceback": traceback.format_exc()[-3000:]})
     finally:
         pool.close()
+        model_dir.cleanup()
 
 
 if __name__ == "__main__":

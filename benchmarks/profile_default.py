@@ -114,7 +114,7 @@ def side_by_side(rev: str, reps: int) -> None:
             shared = layout == "shared_prompt"
             for batch, gs in zip(batches, groups):  # bit-identical before timing
                 assert tensors_equal(pack(gs, 0, shared), old_pack(gs, 0, shared)), "pack differs from the baseline"
-                new_mb, old_mb = collate(batch, 0, 0, 256, layout), old_collate(batch, 0, 0, 256, layout)
+                new_mb, old_mb = collate(batch, 0, 0, layout), old_collate(batch, 0, 0, 256, layout)
                 assert tensors_equal(new_mb.tokens, old_mb.tokens) and torch.equal(new_mb.rollout_logprobs, old_mb.rollout_logprobs)
             for what, new_fn, old_fn, calls in (
                 ("pack", pack, old_pack, [(gs, 0, shared) for gs in groups]),

@@ -3,7 +3,7 @@
 Each step is the trainer's work on one micro-batch of one group: the tri-model forward (policy with
 gradient, old and reference without), the GRPO loss with β > 0, and the backward pass. The two
 layouts are measured side by side, interleaved, in one process. Each speedup is printed beside the
-token-count ratio G·(P+R)/(P+G·R). `auto` is what `rollout.packing=auto` would choose.
+token-count ratio G·(P+R)/(P+G·R). `auto` is what `datamodule.packing.mode=auto` would choose.
 
 Peak memory is the rise of the process's peak resident set during the step (Linux: the peak is reset
 through /proc/self/clear_refs). The log-prob memory columns are analytic, for a 151,936-token
@@ -26,7 +26,7 @@ import time
 import torch
 from transformers import AutoModelForCausalLM, Qwen2Config
 
-from lit_parl import GRPOModule, GRPOObjective
+from lit_parl import GRPOModule, GRPOObjective, IterationShape
 from lit_parl.trajectory import Trajectory, collate
 
 MODELS = {
@@ -43,7 +43,7 @@ def build(kind: str) -> GRPOModule:
     torch.manual_seed(0)
     policy = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="sdpa")
     # β > 0 and two mini-batches: old and reference both run, the full tri-model
-    return GRPOModule(policy, GRPOObjective(beta=0.04), mini_batches=2, attention_backend="sdpa")
+    return GRPOModule(policy, GRPOObjective(beta=0.04), IterationShape(prompts=2, group_size=8, micro_batch_size=8, mini_batches=2), attention_backend="sdpa")
 
 
 def group(P: int, R: int, G: int, vocab: int, seed: int) -> list[Trajectory]:
@@ -130,9 +130,9 @@ def main() -> None:
     for model, P, R, G in grid:
         module = modules.get(model) or modules.setdefault(model, build(model))
         trajectories = group(P, R, G, module.policy.config.vocab_size, seed=P * 31 + R * 7 + G)
-        padded = collate(trajectories, 0, 0, G, packing="padded")
-        packed = collate(trajectories, 0, 0, G, packing="shared_prompt")
-        auto_packs = collate(trajectories, 0, 0, G, packing="auto").tokens.attention is not None
+        padded = collate(trajectories, 0, 0, packing="padded")
+        packed = collate(trajectories, 0, 0, packing="shared_prompt")
+        auto_packs = collate(trajectories, 0, 0, packing="auto").tokens.attention is not None
         if model not in warmed:  # first use of a model: allocator and kernels warm up on this config
             train_step(module, packed)
             train_step(module, padded)

@@ -110,7 +110,7 @@ def main() -> None:
     ]
     loss_sum, normaliser = 0.0, 0.0
     for start in range(0, len(trajectories), args.micro_batch):
-        batch = collate(trajectories[start : start + args.micro_batch], pad, start, len(trajectories), "shared_prompt", group_size=G)
+        batch = collate(trajectories[start : start + args.micro_batch], pad, start, "shared_prompt", group_size=G)
         logp = completion_logprobs(lit_model, batch.tokens, temperature=1.0)
         terms = objective(logp, logp.detach(), None, batch.advantages, batch.completion_mask, batch.rollout_logprobs, None)
         loss_sum = loss_sum + terms.loss_sum

@@ -103,7 +103,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--lit-parl", default=str(ROOT / ".venv" / "bin" / "lit-parl"))
     p.add_argument("--lit-overrides", default="", help="extra Hydra overrides for lit_parl, space-separated")
     p.add_argument("--lit-sync", action="store_true",
-                   help="also run lit_parl with rollout.mode=sync (colocated: generate, then train, on 2 threads)")
+                   help="also run lit_parl with datamodule.mode=sync (colocated: generate, then train, on 2 threads)")
     p.add_argument("--omp-wait-policy", default="PASSIVE", choices=("PASSIVE", "ACTIVE", "inherit"),
                    help="OMP_WAIT_POLICY of both sides' processes (inherit: leave the environment's)")
     p.add_argument("--trl-threads", default="2", help="torch threads of the TRL process; a comma list (2,1) runs TRL once per value")
@@ -166,7 +166,7 @@ def lit_parl_side(args, workload: str, steps: int, mode: str, model_dir: Path, r
     cmd = [
         args.lit_parl,
         f"iterations={steps}",
-        f"rollout.mode={mode}",
+        f"datamodule.mode={mode}",
         f"seed={args.seed}",
         "model=pretrained",
         f"model.path={model_dir}",
@@ -174,13 +174,13 @@ def lit_parl_side(args, workload: str, steps: int, mode: str, model_dir: Path, r
         "checkpoint_every=0",
         "trainer.max_time=null",
         # spelled out, though they are the defaults: what the TRL side is set to
-        f"rollout.prompts_per_iteration={PROMPTS_PER_STEP}",
-        f"rollout.group_size={GROUP_SIZE}",
-        f"rollout.micro_batch_size={MICRO_BATCH}",
-        f"rollout.sampling.max_new_tokens={MAX_NEW_TOKENS}",
-        "rollout.sampling.temperature=1.0",
-        "rollout.sampling.top_p=1.0",
-        f"algorithm.lr={LR}",
+        f"shape.prompts={PROMPTS_PER_STEP}",
+        f"shape.group_size={GROUP_SIZE}",
+        f"shape.micro_batch_size={MICRO_BATCH}",
+        f"sampling.max_new_tokens={MAX_NEW_TOKENS}",
+        "sampling.temperature=1.0",
+        "sampling.top_p=1.0",
+        f"optimizer.lr={LR}",
         f"algorithm.objective.beta={BETA}",
     ]
     if workload == "b":

@@ -1,8 +1,37 @@
-"""Lightning callbacks of lit_parl (imported as ``lit_parl.callbacks``)."""
+"""Lightning callbacks of lit_parl (imported as ``lit_parl.callbacks``), usable in any Lightning project.
 
+What each needs from the module, the datamodule and the other callbacks is stated in
+``lit_parl.callbacks.contracts`` and checked when fit starts.
+"""
+
+from .contracts import (
+    HasPolicy,
+    HasRolloutPool,
+    IterationGate,
+    IterationHistory,
+    IterationRecord,
+    SavesPretrained,
+    SyncTimes,
+    TrainIntervals,
+    WeightReceiver,
+)
 from .hf_export import HFExport
 from .pipeline_timeline import PipelineTimeline
 from .run_summary import RunSummary
 from .weight_sync import WeightSync
 
-__all__ = ["HFExport", "PipelineTimeline", "RunSummary", "WeightSync"]
+__all__ = [
+    "HFExport",
+    "HasPolicy",
+    "HasRolloutPool",
+    "IterationGate",
+    "IterationHistory",
+    "IterationRecord",
+    "PipelineTimeline",
+    "RunSummary",
+    "SavesPretrained",
+    "SyncTimes",
+    "TrainIntervals",
+    "WeightReceiver",
+    "WeightSync",
+]

@@ -1,29 +1,16 @@
-"""PipelineTimeline: when the pool generated, when the trainer trained, when weights synced.
-
-Every iteration it logs the overlap efficiency
-
-    (gen_busy + train_busy - iteration_wall) / min(gen_busy, train_busy)
-
-which is 1.0 when the shorter side is fully hidden behind the longer one and 0.0 when the two took
-turns. ``iteration_wall`` runs from the iteration's first request to its last training step; the weight
-sync before it is drawn but not counted. At the end of the run it writes ``timeline.json`` (every interval of every iteration) and
-``timeline.png``: a Gantt chart of the last ``window`` iterations.
-
-Reads ``trainer.datamodule.history[-1].gen_intervals`` (rollout side), ``pl_module.train_intervals``
-(trainer side) and times the weight sync itself.
-
-Example::
-
-    trainer = lightning.Trainer(callbacks=[WeightSync(), PipelineTimeline("runs/x")])
-"""
+"""PipelineTimeline: when the pool generated, when the trainer trained, when weights synced; and how much overlapped."""
 
 from __future__ import annotations
 
 import json
 import time
 from pathlib import Path
+from typing import Any
 
 from lightning.pytorch import Callback, LightningModule, Trainer
+from lightning.pytorch.utilities import rank_zero_warn
+
+from .contracts import IterationHistory, IterationRecord, SyncTimes, TrainIntervals, contract_problems, require
 
 
 def _union_length(intervals: list[tuple[float, float]]) -> float:
@@ -41,12 +28,89 @@ def overlap_efficiency(gen_busy: float, train_busy: float, wall: float) -> float
 
 
 class PipelineTimeline(Callback):
+    r"""Record every iteration's generation, training and weight-sync intervals; log how much they overlapped.
+
+    Every epoch it logs the overlap efficiency
+
+        (gen_busy + train_busy - iteration_wall) / min(gen_busy, train_busy)
+
+    which is 1.0 when the shorter side is fully hidden behind the longer one and 0.0 when the two took
+    turns. ``iteration_wall`` runs from the iteration's first request to its last training step; the weight
+    sync before it is drawn but not counted. At the end of fit it writes ``timeline.json`` (every interval
+    of every iteration, in seconds since the first epoch started) and ``timeline.png``, a Gantt chart of
+    the last ``window`` iterations.
+
+    It reads the generation side from the last record of ``trainer.datamodule.history``
+    (:class:`~lit_parl.callbacks.IterationHistory`: ``requested_at``, ``gen_intervals``), the training side
+    from the module's ``train_intervals`` (:class:`~lit_parl.callbacks.TrainIntervals`), and the sync from
+    the one other callback with ``sync_intervals`` (:class:`~lit_parl.callbacks.SyncTimes`, e.g.
+    ``WeightSync``); with no such callback there is no sync row. The recorded iterations survive a checkpoint.
+
+    Override ``plot(path)`` to draw the chart differently (``self.iterations`` holds the data).
+
+    Args:
+        dirpath: where ``timeline.json`` and ``timeline.png`` go. ``None``: ``trainer.default_root_dir``.
+        window: how many of the last iterations the chart shows.
+
+    Raises:
+        TypeError: at fit start, when the datamodule has no ``history`` of records or the LightningModule no
+            ``train_intervals``.
+        ValueError: at fit start, when more than one callback has ``sync_intervals``.
+
+    Example (no sync callback: the chart has no sync row)::
+
+        >>> import lightning, tempfile, time
+        >>> from types import SimpleNamespace
+        >>> from lightning.pytorch.demos.boring_classes import BoringDataModule, BoringModel
+        >>> class Data(BoringDataModule):
+        ...     history = []
+        >>> class Model(BoringModel):
+        ...     train_intervals = []
+        ...     def on_train_epoch_start(self):
+        ...         now = time.monotonic()
+        ...         self.train_intervals = [(now, now + 0.2)]
+        ...         self.trainer.datamodule.history.append(SimpleNamespace(version=self.current_epoch,
+        ...             requested_at=now, completed_at=now + 0.1, completions=8, completion_tokens=80, reward_sum=4.0,
+        ...             prompts_drawn=2, dropped_groups=0, gen_intervals=[(now, now + 0.1)], reward_mean=0.5, gen_busy_s=0.1))
+        >>> timeline = PipelineTimeline(dirpath=tempfile.mkdtemp())
+        >>> trainer = lightning.Trainer(accelerator="cpu", max_epochs=2, limit_train_batches=2, limit_val_batches=0,
+        ...     logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        ...     callbacks=[timeline])
+        >>> trainer.fit(Model(), datamodule=Data())
+        >>> [(it["iteration"], round(it["gen_busy_s"], 3), round(it["train_busy_s"], 3)) for it in timeline.iterations]
+        [(0, 0.1, 0.2), (1, 0.1, 0.2)]
+        >>> sorted(path.name for path in Path(timeline.dirpath).iterdir())
+        ['timeline.json', 'timeline.png']
+    """
+
     def __init__(self, dirpath: str | None = None, window: int = 6) -> None:
-        self.dirpath = dirpath  # None: trainer.default_root_dir
+        self.dirpath = dirpath
         self.window = window
-        self.iterations: list[dict] = []
+        self.iterations: list[dict[str, Any]] = []  # checkpointed
+        self._sync_source: SyncTimes | None = None
+        self._sync_seen = 0
+        self._last_record: Any = None
         self._epoch_start = 0.0
-        self._origin: float | None = None
+        self._origin: float | None = None  # monotonic time that is 0 s in self.iterations
+        self._offset = 0.0  # a resumed run continues after the restored iterations instead of overdrawing them
+
+    def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        require(trainer.datamodule, IterationHistory, owner="PipelineTimeline", role="the datamodule",
+                fix="Give the datamodule a `history` list and append one record per iteration (fields of "
+                    "lit_parl.callbacks.IterationRecord), as lit_parl.RolloutDataModule does.")
+        require(pl_module, TrainIntervals, owner="PipelineTimeline", role="the LightningModule",
+                fix="Set `self.train_intervals = []` at each epoch start and append (start, end) time.monotonic() "
+                    "pairs around each training step, as lit_parl.GRPOModule does.")
+        sources = [cb for cb in trainer.callbacks if cb is not self and not contract_problems(cb, SyncTimes)]
+        if len(sources) > 1:
+            raise ValueError(
+                f"PipelineTimeline draws one weight-sync row, but {len(sources)} callbacks have `sync_intervals`: "
+                f"{', '.join(type(cb).__name__ for cb in sources)}. Keep one of them."
+            )
+        self._sync_source = sources[0] if sources else None
+        self._sync_seen = len(sources[0].sync_intervals) if sources else 0
+        self._last_record = None
+        self._origin = None
 
     def on_train_epoch_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self._epoch_start = time.monotonic()
@@ -54,22 +118,31 @@ class PipelineTimeline(Callback):
             self._origin = self._epoch_start
 
     def on_train_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        history = getattr(trainer.datamodule, "history", None)
-        if not history:
+        history = trainer.datamodule.history
+        record = history[-1] if history else None
+        if record is None or record is self._last_record:
+            rank_zero_warn(f"PipelineTimeline: epoch {trainer.current_epoch} ended without a new record in "
+                           f"{type(trainer.datamodule).__name__}.history; it is left out of the timeline.")
             return
-        stats = history[-1]
+        require(record, IterationRecord, owner="PipelineTimeline", role="each record of the datamodule's `history`",
+                fix="Append records with the fields of lit_parl.callbacks.IterationRecord (lit_parl.data.stats.IterationStats has them).")
+        self._last_record = record
         end = time.monotonic()
-        train = list(getattr(pl_module, "train_intervals", []))
-        sync = [interval for cb in trainer.callbacks for interval in getattr(cb, "sync_intervals", [])[-1:]]
-        gen_busy, train_busy = _union_length(stats.gen_intervals), _union_length(train)
+        train = list(pl_module.train_intervals)
+        sync: list[tuple[float, float]] = []
+        if self._sync_source is not None:  # the syncs since the last epoch end: this iteration's
+            sync = list(self._sync_source.sync_intervals[self._sync_seen :])
+            self._sync_seen = len(self._sync_source.sync_intervals)
+        gen = list(record.gen_intervals)
+        gen_busy, train_busy = _union_length(gen), _union_length(train)
         # the iteration's window: from its requests to its last training step (the weight sync before it is apart)
-        wall = (train[-1][1] if train else end) - stats.requested_at
+        wall = (train[-1][1] if train else end) - record.requested_at
         efficiency = overlap_efficiency(gen_busy, train_busy, wall)
-        o = self._origin
+        o = self._origin - self._offset
         self.iterations.append({
             "iteration": len(self.iterations),
             "sync": [(s - o, e - o) for s, e in sync],
-            "generate": [(s - o, e - o) for s, e in stats.gen_intervals],
+            "generate": [(s - o, e - o) for s, e in gen],
             "train": [(s - o, e - o) for s, e in train],
             "start": self._epoch_start - o,
             "end": end - o,
@@ -89,6 +162,7 @@ class PipelineTimeline(Callback):
         self.plot(directory / "timeline.png")
 
     def plot(self, path: Path) -> None:
+        """Draw the last ``window`` iterations of ``self.iterations`` as a Gantt chart into ``path``."""
         import matplotlib
 
         matplotlib.use("Agg")
@@ -96,8 +170,10 @@ class PipelineTimeline(Callback):
 
         shown = self.iterations[-self.window :]
         t0 = shown[0]["start"]
-        rows = [("weight sync", "sync", "#7f7f7f"), ("rollout pool: generate", "generate", "#1f77b4"), ("trainer: train", "train", "#ff7f0e")]
-        fig, ax = plt.subplots(figsize=(11, 2.8))
+        rows = [("rollout pool: generate", "generate", "#1f77b4"), ("trainer: train", "train", "#ff7f0e")]
+        if any(it["sync"] for it in shown):
+            rows.insert(0, ("weight sync", "sync", "#7f7f7f"))
+        fig, ax = plt.subplots(figsize=(11, 0.6 + 0.75 * len(rows)))
         for y, (label, key, colour) in enumerate(reversed(rows)):
             spans = [(s - t0, e - s) for it in shown for s, e in it[key]]
             ax.broken_barh(spans, (y - 0.35, 0.7), facecolors=colour, label=label)
@@ -106,13 +182,14 @@ class PipelineTimeline(Callback):
             ax.text(it["start"] - t0, len(rows) - 0.45, f" it {it['iteration']}\n eff {it['overlap_efficiency']:.2f}", fontsize=7, va="top")
         ax.set_yticks(range(len(rows)), [label for label, _, _ in reversed(rows)])
         ax.set_xlabel("seconds")
-        ax.set_title("lit_parl pipeline: generation and training overlap inside each iteration; iterations never overlap", fontsize=9)
+        ax.set_title("generation and training overlap inside each iteration; iterations never overlap", fontsize=9)
         fig.tight_layout()
         fig.savefig(path, dpi=120)
         plt.close(fig)
 
-    def state_dict(self) -> dict:
+    def state_dict(self) -> dict[str, Any]:
         return {"iterations": self.iterations}
 
-    def load_state_dict(self, state_dict: dict) -> None:
-        self.iterations = state_dict["iterations"]
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.iterations = list(state_dict["iterations"])
+        self._offset = self.iterations[-1]["end"] if self.iterations else 0.0

@@ -1,88 +1,161 @@
-"""RunSummary: per-iteration throughput on the progress bar, and one JSON summary line at the end.
-
-Reads the datamodule's iteration history (rollout side) and the module's ``train_intervals`` (trainer
-side). Writes ``summary.json`` to ``dirpath`` and prints ``lit_parl summary: {json}``.
-
-Example::
-
-    summary = RunSummary()
-    lightning.Trainer(callbacks=[WeightSync(), summary]).fit(module, datamodule=data)
-    summary.summary["reward_last10"]
-"""
+"""RunSummary: per-iteration throughput on the progress bar, and one JSON summary of the run at the end."""
 
 from __future__ import annotations
 
 import json
 import time
 from pathlib import Path
+from typing import Any
 
 from lightning.pytorch import Callback, LightningModule, Trainer
+from lightning.pytorch.utilities import rank_zero_warn
+
+from .contracts import IterationHistory, IterationRecord, TrainIntervals, require
 
 
 class RunSummary(Callback):
+    r"""Log each iteration's throughput and write ``summary.json`` (and print it on one line) when fit ends.
+
+    Every epoch it reads the iteration's record, the last entry of ``trainer.datamodule.history``
+    (:class:`~lit_parl.callbacks.IterationHistory`: completions, tokens, rewards, generation time), and the
+    module's ``train_intervals`` (:class:`~lit_parl.callbacks.TrainIntervals`), and logs
+    ``completions_per_s`` (on the progress bar), ``tokens_per_s``, ``gen_busy_s``, ``train_busy_s`` and
+    ``dropped_groups``. At the end of fit it writes the totals to ``<dirpath>/summary.json`` and prints
+    ``lit_parl summary: {...}``; ``self.summary`` holds the same dict. Totals survive a checkpoint.
+
+    Override ``make_summary(trainer)`` to add or change fields.
+
+    Args:
+        dirpath: where ``summary.json`` goes. ``None``: ``trainer.default_root_dir``.
+        last_n: ``reward_last10`` is the mean reward of the last ``last_n`` iterations.
+
+    Raises:
+        TypeError: at fit start, when the datamodule has no ``history`` of records or the LightningModule no
+            ``train_intervals``.
+
+    Example (a datamodule that books one record per epoch, as ``lit_parl.RolloutDataModule`` does)::
+
+        >>> import lightning, tempfile, time
+        >>> from types import SimpleNamespace
+        >>> from lightning.pytorch.demos.boring_classes import BoringDataModule, BoringModel
+        >>> class Data(BoringDataModule):
+        ...     history = []
+        >>> class Model(BoringModel):
+        ...     train_intervals = []
+        ...     def on_train_epoch_start(self):
+        ...         now = time.monotonic()
+        ...         self.trainer.datamodule.history.append(SimpleNamespace(version=self.current_epoch,
+        ...             requested_at=now, completed_at=now, completions=8, completion_tokens=80, reward_sum=4.0,
+        ...             prompts_drawn=2, dropped_groups=0, gen_intervals=[], reward_mean=0.5, gen_busy_s=0.0))
+        >>> summary = RunSummary(dirpath=tempfile.mkdtemp())
+        >>> trainer = lightning.Trainer(accelerator="cpu", max_epochs=2, limit_train_batches=2, limit_val_batches=0,
+        ...     logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        ...     callbacks=[summary])
+        >>> trainer.fit(Model(), datamodule=Data())  # doctest: +ELLIPSIS
+        lit_parl summary: {"iterations": 2, "mode": null, "reward_first": 0.5, "reward_last10": 0.5, ...}
+        >>> summary.summary["completions"], (Path(summary.dirpath) / "summary.json").exists()
+        (16, True)
+    """
+
     def __init__(self, dirpath: str | None = None, last_n: int = 10) -> None:
-        self.dirpath = dirpath  # None: trainer.default_root_dir
+        self.dirpath = dirpath
         self.last_n = last_n
+        # the run's totals: checkpointed, so a resumed run's summary covers the whole run
         self.rewards: list[float] = []
         self.completions = 0
         self.tokens = 0
         self.gen_busy_s = 0.0
         self.train_busy_s = 0.0
-        self.wall_s = 0.0
-        self.summary: dict = {}
-        self._fit_start = 0.0
+        self.wall_s = 0.0  # of earlier fits (a resumed run); this fit's time is added from _fit_start
+        self.summary: dict[str, Any] = {}
+        self._fit_start: float | None = None
         self._epoch_start = 0.0
+        self._last_record: Any = None
 
     def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        require(trainer.datamodule, IterationHistory, owner="RunSummary", role="the datamodule",
+                fix="Give the datamodule a `history` list and append one record per iteration (fields of "
+                    "lit_parl.callbacks.IterationRecord), as lit_parl.RolloutDataModule does.")
+        require(pl_module, TrainIntervals, owner="RunSummary", role="the LightningModule",
+                fix="Set `self.train_intervals = []` at each epoch start and append (start, end) time.monotonic() "
+                    "pairs around each training step, as lit_parl.GRPOModule does.")
         self._fit_start = time.monotonic()
+        self._last_record = None
 
     def on_train_epoch_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self._epoch_start = time.monotonic()
 
     def on_train_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        datamodule = trainer.datamodule
-        if not getattr(datamodule, "history", None):
+        history = trainer.datamodule.history
+        record = history[-1] if history else None
+        if record is None or record is self._last_record:
+            # e.g. a run stopped mid-epoch (max_steps, an interrupt): say so rather than count an iteration twice
+            rank_zero_warn(f"RunSummary: epoch {trainer.current_epoch} ended without a new record in "
+                           f"{type(trainer.datamodule).__name__}.history; it is left out of the summary.")
             return
-        stats = datamodule.history[-1]
-        wall = time.monotonic() - self._epoch_start
-        train_busy = sum(end - start for start, end in getattr(pl_module, "train_intervals", []))
-        self.rewards.append(stats.reward_mean)  # the iteration's rollouts, before any reward shaping
-        self.completions += stats.completions
-        self.tokens += stats.completion_tokens
-        self.gen_busy_s += stats.gen_busy_s
+        require(record, IterationRecord, owner="RunSummary", role="each record of the datamodule's `history`",
+                fix="Append records with the fields of lit_parl.callbacks.IterationRecord (lit_parl.data.stats.IterationStats has them).")
+        self._last_record = record
+        wall = max(time.monotonic() - self._epoch_start, 1e-9)
+        train_busy = sum(end - start for start, end in pl_module.train_intervals)
+        self.rewards.append(float(record.reward_mean))  # the iteration's rollouts, before any reward shaping
+        self.completions += record.completions
+        self.tokens += record.completion_tokens
+        self.gen_busy_s += record.gen_busy_s
         self.train_busy_s += train_busy
-        pl_module.log("completions_per_s", stats.completions / max(wall, 1e-9), prog_bar=True, on_epoch=True)
-        pl_module.log("tokens_per_s", stats.completion_tokens / max(wall, 1e-9), on_epoch=True)
-        pl_module.log("gen_busy_s", stats.gen_busy_s, on_epoch=True)
-        pl_module.log("train_busy_s", train_busy, on_epoch=True)
-        pl_module.log("dropped_groups", float(stats.dropped_groups), on_epoch=True)
+        pl_module.log("completions_per_s", record.completions / wall, prog_bar=True, on_epoch=True)
+        pl_module.log("tokens_per_s", record.completion_tokens / wall, on_epoch=True)
+        pl_module.log("gen_busy_s", float(record.gen_busy_s), on_epoch=True)
+        pl_module.log("train_busy_s", float(train_busy), on_epoch=True)
+        pl_module.log("dropped_groups", float(record.dropped_groups), on_epoch=True)
 
-    def on_fit_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        self.wall_s += time.monotonic() - self._fit_start
-        run_dir = Path(self.dirpath or trainer.default_root_dir)
+    def make_summary(self, trainer: Trainer) -> dict[str, Any]:
+        """The summary of the run so far (what ``summary.json`` holds)."""
+        wall = self._total_wall_s()
         last = self.rewards[-self.last_n :]
-        self.summary = {
+        return {
             "iterations": len(self.rewards),
-            "mode": getattr(trainer.datamodule, "mode", None),
+            "mode": getattr(trainer.datamodule, "mode", None),  # optional: lit_parl's "async" / "sync"
             "reward_first": self.rewards[0] if self.rewards else None,
             "reward_last10": sum(last) / len(last) if last else None,
-            "wall_s": round(self.wall_s, 3),
+            "wall_s": round(wall, 3),
             "completions": self.completions,
-            "completions_per_s": round(self.completions / max(self.wall_s, 1e-9), 2),
-            "tokens_per_s": round(self.tokens / max(self.wall_s, 1e-9), 2),
+            "completions_per_s": round(self.completions / max(wall, 1e-9), 2),
+            "tokens_per_s": round(self.tokens / max(wall, 1e-9), 2),
             "gen_busy_s": round(self.gen_busy_s, 3),
             "train_busy_s": round(self.train_busy_s, 3),
-            "run_dir": str(run_dir.resolve()),
+            "run_dir": str(self._run_dir(trainer).resolve()),
         }
+
+    def on_fit_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self.wall_s, self._fit_start = self._total_wall_s(), None  # first: the summary reads the final wall time
+        self.summary = self.make_summary(trainer)
         if trainer.is_global_zero:
+            run_dir = self._run_dir(trainer)
             run_dir.mkdir(parents=True, exist_ok=True)
             (run_dir / "summary.json").write_text(json.dumps(self.summary, indent=2))
             print(f"lit_parl summary: {json.dumps(self.summary)}", flush=True)
 
-    def state_dict(self) -> dict:
-        keys = ("rewards", "completions", "tokens", "gen_busy_s", "train_busy_s", "wall_s")
-        return {k: getattr(self, k) for k in keys}
+    def _run_dir(self, trainer: Trainer) -> Path:
+        return Path(self.dirpath or trainer.default_root_dir)
 
-    def load_state_dict(self, state_dict: dict) -> None:
-        for key, value in state_dict.items():
-            setattr(self, key, value)
+    def _total_wall_s(self) -> float:
+        return self.wall_s + (time.monotonic() - self._fit_start if self._fit_start is not None else 0.0)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "rewards": list(self.rewards),
+            "completions": self.completions,
+            "tokens": self.tokens,
+            "gen_busy_s": self.gen_busy_s,
+            "train_busy_s": self.train_busy_s,
+            "wall_s": self._total_wall_s(),  # a checkpoint taken mid-fit counts this fit's time so far
+        }
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.rewards = list(state_dict["rewards"])
+        self.completions = state_dict["completions"]
+        self.tokens = state_dict["tokens"]
+        self.gen_busy_s = state_dict["gen_busy_s"]
+        self.train_busy_s = state_dict["train_busy_s"]
+        self.wall_s = state_dict["wall_s"]

@@ -1,4 +1,4 @@
-"""Packing a micro-batch's trajectories into rows, shared-prompt or padded (DESIGN.md §3).
+"""Packing a micro-batch's trajectories into rows, shared-prompt or padded.
 
 Shared-prompt packing puts each group's prompt once, followed by its completions:
 ``[p, c_1[:-1], c_2[:-1], ...]``. Position ids run 0..P-1 over the prompt and restart at P for every

@@ -8,22 +8,28 @@ import os
 # torch is imported; the spawned workers inherit it. An explicit OMP_WAIT_POLICY wins.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
-from lit_parl.datamodule import OffPolicyError, RolloutDataModule
+from lit_parl.data import IterationShape, OffPolicyError
+from lit_parl.datamodule import RolloutDataModule
+from lit_parl.lr_schedule import WarmupSchedule
 from lit_parl.model import pretrained, tiny_qwen2
 from lit_parl.module import GRPOModule
 from lit_parl.objectives import GRPOObjective
-from lit_parl.trajectory import Group, GroupRequest, MicroBatch, SamplingParams, Trajectory
+from lit_parl.trajectory import Group, GroupCompletions, GroupRequest, MicroBatch, Packing, SamplingParams, Trajectory
 
 __all__ = [
     "GRPOModule",
     "GRPOObjective",
     "Group",
+    "GroupCompletions",
     "GroupRequest",
+    "IterationShape",
     "MicroBatch",
     "OffPolicyError",
+    "Packing",
     "RolloutDataModule",
     "SamplingParams",
     "Trajectory",
+    "WarmupSchedule",
     "pretrained",
     "tiny_qwen2",
 ]

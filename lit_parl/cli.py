@@ -1,87 +1,81 @@
-"""The Hydra entry point: ``lit-parl`` or ``python -m lit_parl`` (configs in ``conf/``).
+"""The Hydra entry point: ``lit-parl`` or ``python -m lit_parl`` (configs in ``conf/``, installed as ``lit_parl.conf``).
 
-``build(cfg)`` turns a config into (module, datamodule, trainer) without starting any process, so a bad
-configuration fails before the pool is launched; ``run(cfg)`` fits and returns the summary.
+Every config group builds one object through its ``_target_``; ``build(cfg)`` instantiates them and
+passes the few objects that several others share (the policy, tokenizer, objective, shape and sampling
+parameters), without starting any process, so a bad configuration fails before the pool is launched.
+``run(cfg)`` fits and returns the run summary.
 """
 
 from __future__ import annotations
 
 import signal
-from pathlib import Path
 
 import hydra
 import lightning
 from hydra.utils import instantiate
 from lightning.pytorch.callbacks import ModelCheckpoint
-from lightning.pytorch.loggers import CSVLogger
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
-from lit_parl.callbacks import HFExport, PipelineTimeline, RunSummary, WeightSync
-from lit_parl.datamodule import RolloutDataModule, check_mini_batches
+from lit_parl.callbacks import RunSummary
+from lit_parl.datamodule import RolloutDataModule
 from lit_parl.kernels.attention import resolve_backend
 from lit_parl.module import GRPOModule
-from lit_parl.trajectory import SamplingParams
+
+# loggers whose packages are extras: the import error names the extra to install
+_LOGGER_EXTRAS = {"TensorBoardLogger": "tensorboard", "WandbLogger": "wandb", "MLFlowLogger": "mlflow"}
+
+
+def _logger(cfg: DictConfig):
+    try:
+        return instantiate(cfg.logger)
+    except Exception as error:
+        extra = _LOGGER_EXTRAS.get(str(cfg.logger.get("_target_", "")).rsplit(".", 1)[-1])
+        missing = isinstance(error, ImportError) or isinstance(error.__cause__, ImportError)  # Hydra wraps the cause
+        if extra is None or not missing:
+            raise
+        raise ImportError(f"logger={extra} needs its package: pip install 'lit-parl[{extra}]' (or use logger=csv)") from error
+
+
+def _with_key(key: str, factory):
+    """``factory`` whose ValueError also names the config node it was built from."""
+
+    def build_node(**kwargs):
+        try:
+            return factory(**kwargs)
+        except ValueError as error:
+            raise ValueError(f"{error} (config: {key})") from error
+
+    return build_node
 
 
 def build(cfg: DictConfig) -> tuple[GRPOModule, RolloutDataModule, lightning.Trainer]:
     lightning.seed_everything(cfg.seed, workers=True, verbose=False)
-    run_dir = Path(cfg.run_dir)
-    rollout, algorithm = cfg.rollout, cfg.algorithm
-    sampling = SamplingParams(**OmegaConf.to_container(rollout.sampling))
-    task = instantiate(cfg.task)
-    objective = instantiate(algorithm.objective)
-    pool = instantiate(rollout.pool)
+    shape, sampling = instantiate(cfg.shape), instantiate(cfg.sampling)
+    objective = instantiate(cfg.algorithm.objective)
     policy, tokenizer = instantiate(cfg.model)
-    module = GRPOModule(
-        policy,
-        objective,
-        tokenizer=tokenizer,
-        lr=algorithm.lr,
-        weight_decay=algorithm.weight_decay,
-        max_grad_norm=algorithm.max_grad_norm,
-        mini_batches=algorithm.mini_batches,
-        passes=algorithm.passes,
-        temperature=sampling.temperature,
-        attention_backend=algorithm.attention_backend,
-        logprob_chunk_size=algorithm.logprob_chunk_size,
+    # Shared objects are passed to a partial, not as instantiate() kwargs: Hydra would turn a dataclass
+    # (the shape, the sampling parameters) back into a config node.
+    module = _with_key("module", instantiate(cfg.module, _partial_=True))(
+        policy=policy, objective=objective, shape=shape, tokenizer=tokenizer,
+        optimizer=instantiate(cfg.optimizer), lr_schedule=instantiate(cfg.lr_schedule),
     )
-    datamodule = RolloutDataModule(
-        task,
-        pool,
-        tokenizer,
-        prompts_per_iteration=rollout.prompts_per_iteration,
-        group_size=rollout.group_size,
-        micro_batch_size=rollout.micro_batch_size,
-        mode=rollout.mode,
-        sampling=sampling,
-        seed=cfg.seed,
-        trainer_threads=rollout.trainer_threads,
-        gate_timeout_s=rollout.gate_timeout_s,
-        packing=rollout.packing,
-        min_packing_gain=rollout.min_packing_gain,
-        max_row_tokens=rollout.max_row_tokens,
-        max_sampling_rounds=rollout.max_sampling_rounds,
-        prefetch=rollout.prefetch,
+    datamodule = _with_key("datamodule", instantiate(cfg.datamodule, _partial_=True))(
+        task=instantiate(cfg.task), pool=instantiate(cfg.pool), tokenizer=tokenizer, shape=shape,
+        objective=objective, initial_model=policy, sampling=sampling,
     )
-    check_mini_batches(rollout.prompts_per_iteration, rollout.group_size, rollout.micro_batch_size, algorithm.mini_batches)
-    if objective.kl_in_reward and rollout.micro_batch_size % rollout.group_size:
-        raise ValueError("algorithm.objective.kl_in_reward needs whole groups per micro-batch: make rollout.micro_batch_size a multiple of group_size")
     callbacks = [
-        WeightSync(),
-        RunSummary(dirpath=str(run_dir)),
-        PipelineTimeline(dirpath=str(run_dir)),
-        HFExport(dirpath=str(run_dir / "policy")),
+        instantiate(callback)
+        for name, callback in cfg.callbacks.items()
+        if callback is not None and not (name == "checkpoint" and not cfg.checkpoint_every)
     ]
-    if cfg.checkpoint_every:
-        callbacks.append(ModelCheckpoint(dirpath=run_dir / "checkpoints", every_n_epochs=cfg.checkpoint_every, save_last=True, save_top_k=-1))
     trainer = instantiate(
         cfg.trainer,
         callbacks=callbacks,
-        logger=CSVLogger(save_dir=run_dir, name="", version=""),
-        default_root_dir=str(run_dir),
-        enable_checkpointing=bool(cfg.checkpoint_every),
+        logger=_logger(cfg),
+        default_root_dir=str(cfg.run_dir),
+        enable_checkpointing=any(isinstance(c, ModelCheckpoint) for c in callbacks),
     )
-    resolve_backend(algorithm.attention_backend, trainer.strategy.root_device)  # fail before any process starts
+    resolve_backend(module.attention_backend, trainer.strategy.root_device)  # fail before any process starts
     return module, datamodule, trainer
 
 
@@ -91,15 +85,14 @@ def _raise_keyboard_interrupt(signum, frame):
 
 def run(cfg: DictConfig) -> dict:
     module, datamodule, trainer = build(cfg)
-    # SIGTERM unwinds like Ctrl-C, so Lightning's teardown and our finally close the pool
+    # SIGTERM unwinds like Ctrl-C: Lightning's exception path has the datamodule close its pool
     previous = signal.signal(signal.SIGTERM, _raise_keyboard_interrupt)
     try:
         trainer.fit(module, datamodule=datamodule, ckpt_path=cfg.resume)
     finally:
-        datamodule.pool.close()
         signal.signal(signal.SIGTERM, previous)
-    summary = next(c for c in trainer.callbacks if isinstance(c, RunSummary))
-    return summary.summary
+    summary = next((c for c in trainer.callbacks if isinstance(c, RunSummary)), None)
+    return summary.summary if summary is not None else {}
 
 
 @hydra.main(config_path="pkg://lit_parl.conf", config_name="config", version_base="1.3")

@@ -2,7 +2,7 @@
 
 Optimisation is manual because optimizer steps fall on data boundaries (the end of a mini-batch of the
 iteration), not on a fixed count of ``training_step`` calls, and because the gradient is divided by the
-mini-batch's normaliser only once the whole mini-batch has arrived (DESIGN.md invariant 4).
+mini-batch's normaliser only once the whole mini-batch has arrived (docs/design.md, invariant 4).
 
 Tri-model: ``policy`` is trained; ``old`` is the exact snapshot of the policy taken at the start of the
 iteration (θ_k), kept only when an iteration has several optimizer steps (mini-batches or passes; with
@@ -16,10 +16,12 @@ approximate KL between θ_k and the updated policy, gradient norm).
 
 Example::
 
+    >>> from lit_parl.data.shape import IterationShape
     >>> from lit_parl.model import tiny_qwen2
-    >>> from lit_parl.objectives import GRPOObjective, kl_estimate
+    >>> from lit_parl.objectives import GRPOObjective
     >>> policy, tokenizer = tiny_qwen2()
-    >>> module = GRPOModule(policy, GRPOObjective(beta=0.04), tokenizer=tokenizer)
+    >>> shape = IterationShape(prompts=8, group_size=4, micro_batch_size=8)
+    >>> module = GRPOModule(policy, GRPOObjective(beta=0.04), shape, tokenizer=tokenizer)
     >>> module.reference is not None, module.old is None
     (True, True)
 """
@@ -27,6 +29,7 @@ Example::
 from __future__ import annotations
 
 import copy
+import functools
 import time
 from collections.abc import Callable, Iterable
 
@@ -35,6 +38,7 @@ from lightning.pytorch import LightningModule
 from torchmetrics import MaxMetric, MeanMetric
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+from lit_parl.data.shape import IterationShape
 from lit_parl.kernels.attention import resolve_backend
 from lit_parl.kernels.forward import check_supported, completion_logprobs
 from lit_parl.objectives import GRPOObjective, kl_estimate
@@ -48,41 +52,58 @@ def _frozen_copy(model: PreTrainedModel) -> PreTrainedModel:
 
 
 class GRPOModule(LightningModule):
+    """The policy, its θ_k snapshot and reference, and the GRPO-family update, one micro-batch per step.
+
+    Args:
+        policy: a transformers causal LM (Llama, Qwen2, Qwen3, Mistral families); the model trained.
+        objective: the loss and its options (``GRPOObjective``).
+        shape: the iteration's shape, the same object the datamodule has; with more than one optimizer
+            step per iteration the module keeps an exact θ_k snapshot as the old policy.
+        tokenizer: saved beside the policy by ``HFExport``; not used for training.
+        optimizer: ``params -> Optimizer`` (e.g. ``functools.partial(torch.optim.AdamW, lr=5e-4,
+            weight_decay=0.0)``, the default).
+        lr_schedule: ``(optimizer, total_steps) -> LRScheduler`` stepped after every optimizer step
+            (``lit_parl.lr_schedule.WarmupSchedule``); ``None``: a constant learning rate.
+        max_grad_norm: clip the gradient's global norm to this (``None``: no clipping).
+        temperature: the sampling temperature: log-probs are computed from logits / T, as sampled.
+        attention_backend: shared-prompt attention backend (``auto`` picks the best for the device).
+        logprob_chunk_size: label tokens per LM-head chunk (memory: chunk x vocabulary floats).
+    """
+
     def __init__(
         self,
         policy: PreTrainedModel,
         objective: GRPOObjective,
+        shape: IterationShape,
         tokenizer: PreTrainedTokenizerBase | None = None,
-        lr: float = 5e-4,
-        weight_decay: float = 0.0,
-        betas: tuple[float, float] = (0.9, 0.999),
+        optimizer: Callable[[Iterable[torch.nn.Parameter]], torch.optim.Optimizer] | None = None,
+        lr_schedule: Callable | None = None,
         max_grad_norm: float | None = 1.0,
-        mini_batches: int = 1,
-        passes: int = 1,
         temperature: float = 1.0,
         attention_backend: str = "auto",
         logprob_chunk_size: int = 1024,
-        optimizer: Callable[[Iterable[torch.nn.Parameter]], torch.optim.Optimizer] | None = None,
     ) -> None:
         super().__init__()
-        if mini_batches < 1 or passes < 1:
-            raise ValueError(f"algorithm.mini_batches and algorithm.passes must be >= 1, got {mini_batches} and {passes}")
         check_supported(policy)
+        if objective.kl_in_reward and shape.micro_batch_size % shape.group_size:
+            raise ValueError(
+                f"GRPOObjective(kl_in_reward=True) needs whole groups per micro-batch: make IterationShape(micro_batch_size="
+                f"{shape.micro_batch_size}) a multiple of group_size={shape.group_size}"
+            )
         self.automatic_optimization = False
         self.policy = policy
         self.objective = objective
+        self.shape = shape
         self.tokenizer = tokenizer
-        self.lr, self.weight_decay, self.betas = lr, weight_decay, tuple(betas)
-        self.optimizer_factory = optimizer  # e.g. functools.partial(torch.optim.SGD, lr=0.1); None: AdamW(lr, betas, weight_decay)
+        self.optimizer_factory = optimizer or functools.partial(torch.optim.AdamW, lr=5e-4, weight_decay=0.0)
+        self.lr_schedule = lr_schedule
         self.max_grad_norm = max_grad_norm
-        self.mini_batches = mini_batches  # optimizer steps per pass over the iteration's samples
-        self.passes = passes  # passes over the iteration's samples
         self.temperature = temperature
         self.attention_backend = attention_backend  # resolved for the device at fit start
         self.logprob_chunk_size = logprob_chunk_size
         self._backend: str | None = None
         self.reference = _frozen_copy(policy) if objective.needs_reference else None
-        self.old = _frozen_copy(policy) if mini_batches * passes > 1 else None
+        self.old = _frozen_copy(policy) if shape.optimizer_steps > 1 else None
         self._normaliser = 0.0
         self._loss_sum = 0.0
         self.train_intervals: list[tuple[float, float]] = []  # (start, end) monotonic, this iteration
@@ -93,9 +114,13 @@ class GRPOModule(LightningModule):
 
     # -- Lightning hooks -------------------------------------------------------------------------------
     def configure_optimizers(self):
-        if self.optimizer_factory is not None:
-            return self.optimizer_factory(self.policy.parameters())
-        return torch.optim.AdamW(self.policy.parameters(), lr=self.lr, betas=self.betas, weight_decay=self.weight_decay)
+        optimizer = self.optimizer_factory(self.policy.parameters())
+        if self.lr_schedule is None:
+            return optimizer
+        epochs = self.trainer.max_epochs if self.trainer is not None else None
+        total_steps = epochs * self.shape.optimizer_steps if epochs and epochs > 0 else None
+        # stepped by _optimizer_step (manual optimisation): Lightning's interval settings do not apply
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": self.lr_schedule(optimizer, total_steps), "interval": "step"}}
 
     def on_fit_start(self) -> None:
         self._backend = resolve_backend(self.attention_backend, self.device)
@@ -125,11 +150,6 @@ class GRPOModule(LightningModule):
             metric.reset()
 
     # -- the algorithm ---------------------------------------------------------------------------------
-    def group_advantages(self, rewards: torch.Tensor, lengths: torch.Tensor, truncated: torch.Tensor, length_limit: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(shaped rewards, advantages) of one finished group (called by the datamodule as groups arrive)."""
-        shaped = self.objective.shape_rewards(rewards, lengths, truncated, length_limit)
-        return shaped, self.objective.advantages(shaped)
-
     def completion_logprobs(self, model: PreTrainedModel, batch: MicroBatch, with_entropy: bool = False):
         """Log-probs ``[n, T]`` of the batch's completions under ``model`` at the sampling temperature."""
         if batch.tokens.attention is not None:
@@ -168,8 +188,7 @@ class GRPOModule(LightningModule):
         self._loss_sum += float(terms.loss_sum.detach())
         self._update_metrics(batch, terms, old_logp)
 
-        samples_per_step = batch.iteration_samples // self.mini_batches
-        if (batch.sample_offset + batch.size) % samples_per_step == 0:
+        if batch.ends_step:  # the datamodule marks the end of each mini-batch
             self._optimizer_step()
         self.train_intervals.append((start, time.monotonic()))
         return terms.loss_sum.detach()
@@ -213,6 +232,9 @@ class GRPOModule(LightningModule):
         grad_norm = torch.nn.utils.clip_grad_norm_(parameters, self.max_grad_norm if self.max_grad_norm else float("inf"))
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
+        scheduler = self.lr_schedulers()
+        if scheduler is not None:
+            scheduler.step()
         self.metrics["grad_norm"].update(grad_norm)
         self.log("loss", loss_sum / max(total, 1e-12), on_step=False, on_epoch=True, batch_size=1)
         self._normaliser, self._loss_sum = 0.0, 0.0

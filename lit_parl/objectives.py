@@ -4,7 +4,7 @@ GSPO and RLOO (the presets are `conf/algorithm/*.yaml`; the README has the formu
 The objective returns an un-normalised loss sum and its normaliser separately. The module adds both up
 over the micro-batches of a mini-batch and divides the gradient once, at the optimizer step. Whatever
 the aggregation mode, the update therefore does not depend on how the mini-batch was split or in which
-order its groups arrived (DESIGN.md invariant 4).
+order its groups arrived (docs/design.md, invariant 4).
 
 Example::
 
@@ -120,7 +120,7 @@ class GRPOObjective:
         ]
         for ok, message in checks:
             if not ok:
-                raise ValueError(f"algorithm.objective: {message}")
+                raise ValueError(f"GRPOObjective: {message}")
         self.clip_eps, self.clip_eps_high = clip_eps, clip_eps_high
         self.beta, self.kl_estimator, self.kl_in_reward = beta, kl_estimator, kl_in_reward
         self.loss_aggregation, self.max_length = loss_aggregation, max_length

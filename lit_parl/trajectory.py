@@ -53,8 +53,29 @@ class GroupRequest:
 
 
 @dataclass
+class GroupCompletions:
+    """One request's finished samples as a rollout pool returns them: not yet scored.
+
+    ``version`` is the policy version the worker held when it sampled (not the one it was asked for);
+    ``completions[k]`` are sample ``sample_indices[k]``'s token ids, the end token kept; ``logprobs[k]``
+    the sampler's log-prob of each of those tokens; ``finish_reasons[k]`` is ``"stop"`` (end or stop
+    token) or ``"length"`` (cut at ``max_new_tokens``).
+    """
+
+    prompt_id: int
+    version: int
+    sample_indices: list[int]
+    completions: list[list[int]]
+    logprobs: list[list[float]]
+    finish_reasons: list[str]
+
+    def scored(self, rewards: list[float]) -> "Group":
+        return Group(self.prompt_id, self.version, self.sample_indices, self.completions, self.logprobs, list(rewards), self.finish_reasons)
+
+
+@dataclass
 class Group:
-    """A finished, scored group as the pool returns it."""
+    """A finished group with one reward per sample: what the trainer's data path accepts."""
 
     prompt_id: int
     version: int
@@ -101,7 +122,7 @@ class MicroBatch:
     sample_indices: list[int] = field(default_factory=list)
     version: int = -1
     sample_offset: int = 0  # samples of this pass over the iteration trained before this micro-batch
-    iteration_samples: int = 0  # samples in the whole iteration
+    ends_step: bool = True  # an optimizer step follows this micro-batch (the end of a mini-batch)
     group_size: int = 0
     pass_index: int = 0  # which pass over the iteration's samples (several with algorithm.passes > 1)
 
@@ -117,6 +138,27 @@ class MicroBatch:
 PACKING_MODES = ("auto", "shared_prompt", "padded")
 
 
+@dataclass(frozen=True)
+class Packing:
+    """How ``collate`` lays out a micro-batch.
+
+    Args:
+        mode: ``shared_prompt`` (each group's prompt computed once), ``padded`` (one row per completion),
+            or ``auto``: shared-prompt packing when the padded layout would compute at least ``min_gain``
+            times as many tokens (below that, the gathered attention costs more than it saves).
+        min_gain: the threshold of ``auto``.
+        max_row_tokens: split packed micro-batches into rows of at most this many tokens (None: one row).
+    """
+
+    mode: str = "auto"
+    min_gain: float = 1.5
+    max_row_tokens: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.mode not in PACKING_MODES:
+            raise ValueError(f"Packing(mode={self.mode!r}); choose one of {PACKING_MODES}")
+
+
 def padded_token_count(groups: list[tuple[list[int], list[list[int]]]]) -> int:
     """Tokens a padded layout computes: one row per completion, every row as long as the longest."""
     rows = [len(p) + len(c) - 1 for p, cs in groups for c in cs]
@@ -130,8 +172,7 @@ def shared_prompt_token_count(groups: list[tuple[list[int], list[list[int]]]]) -
 def collate(
     trajectories: list[Trajectory],
     pad_id: int,
-    sample_offset: int,
-    iteration_samples: int,
+    sample_offset: int = 0,
     packing: str = "auto",
     min_packing_gain: float = 1.5,
     max_row_tokens: int | None = None,
@@ -141,7 +182,7 @@ def collate(
     would compute at least ``min_packing_gain`` times as many tokens (below that, the gathered attention
     costs more than the tokens it saves)."""
     if packing not in PACKING_MODES:
-        raise ValueError(f"rollout.packing={packing!r}; choose one of {PACKING_MODES}")
+        raise ValueError(f"collate(packing={packing!r}); choose one of {PACKING_MODES}")
     versions = {t.version for t in trajectories}
     if len(versions) != 1:
         raise ValueError(f"a micro-batch mixes policy versions {sorted(versions)}")
@@ -176,6 +217,5 @@ def collate(
         sample_indices=[t.sample_index for t in ordered],
         version=versions.pop(),
         sample_offset=sample_offset,
-        iteration_samples=iteration_samples,
         group_size=group_size,
     )

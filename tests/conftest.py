@@ -3,17 +3,18 @@
 from __future__ import annotations
 
 import copy
+import functools
 from collections.abc import Iterator
 
 import lightning
 import pytest
 import torch
 
-from lit_parl import GRPOModule, GRPOObjective, RolloutDataModule, tiny_qwen2
+from lit_parl import GRPOModule, GRPOObjective, IterationShape, RolloutDataModule, tiny_qwen2
 from lit_parl.callbacks import WeightSync
 from lit_parl.rollout import HFRolloutPool, RolloutPool
 from lit_parl.tasks import CopyTask
-from lit_parl.trajectory import Group, GroupRequest, SamplingParams
+from lit_parl.trajectory import GroupCompletions, GroupRequest, SamplingParams
 
 SAMPLING = SamplingParams(max_new_tokens=6, temperature=1.0)
 
@@ -28,17 +29,24 @@ def make_components(
     objective: GRPOObjective | None = None,
     trainer_threads: int | None = 1,
     seed: int = 0,
+    mini_batches: int = 1,
+    passes: int = 1,
+    lr: float | None = None,
     **module_kwargs,
 ) -> tuple[GRPOModule, RolloutDataModule]:
     policy, tokenizer = tiny_qwen2(seed=seed)
-    module = GRPOModule(policy, objective or GRPOObjective(), tokenizer=tokenizer, **module_kwargs)
+    shape = IterationShape(prompts, group_size, micro_batch_size, mini_batches, passes)
+    objective = objective or GRPOObjective()
+    if lr is not None:
+        module_kwargs["optimizer"] = functools.partial(torch.optim.AdamW, lr=lr, weight_decay=0.0)
+    module = GRPOModule(policy, objective, shape, tokenizer=tokenizer, temperature=SAMPLING.temperature, **module_kwargs)
     datamodule = RolloutDataModule(
         task or CopyTask(seed=seed),
         pool or HFRolloutPool(num_workers=1, threads_per_worker=1, prompts_per_request=2, colocated_threads=1),
         tokenizer,
-        prompts_per_iteration=prompts,
-        group_size=group_size,
-        micro_batch_size=micro_batch_size,
+        shape,
+        objective,
+        initial_model=policy,
         mode=mode,
         sampling=SAMPLING,
         seed=seed,
@@ -72,38 +80,38 @@ def policy_state(module: GRPOModule) -> dict[str, torch.Tensor]:
 class WrappedPool(RolloutPool):
     """Delegates to a real pool; subclasses override ``transform`` to reorder, delay or corrupt groups."""
 
+    backend = "wrapped"
+
     def __init__(self, inner: RolloutPool) -> None:
+        super().__init__()
         self.inner = inner
-        self.returned: list[Group] = []
+        self.returned: list[GroupCompletions] = []
 
-    @property
-    def version(self):
-        return self.inner.version
+    def _start(self, spec) -> None:
+        self.inner.start(spec)
 
-    def start(self, *args, **kwargs) -> None:
-        self.inner.start(*args, **kwargs)
+    def _sync_weights(self, buckets, version: int) -> None:
+        self.inner.sync_weights(buckets, version)
 
-    def sync_weights(self, named_tensors, version: int) -> None:
-        self.inner.sync_weights(named_tensors, version)
-
-    def generate(self, requests: list[GroupRequest], sampling: SamplingParams) -> Iterator[Group]:
+    def _generate(self, requests: list[GroupRequest], sampling: SamplingParams) -> Iterator[GroupCompletions]:
         for group in self.transform(self.inner.generate(requests, sampling)):
             self.returned.append(copy.deepcopy(group))
             yield group
 
-    def transform(self, groups: Iterator[Group]) -> Iterator[Group]:
+    def transform(self, groups: Iterator[GroupCompletions]) -> Iterator[GroupCompletions]:
         yield from groups
 
-    def health(self) -> dict:
-        return self.inner.health()
+    def _worker_counts(self) -> tuple[int, int]:
+        health = self.inner.health()
+        return health.workers, health.alive
 
-    def close(self) -> None:
+    def _close(self) -> None:
         self.inner.close()
 
     def reserved_cpus(self, colocated: bool) -> int:
         return self.inner.reserved_cpus(colocated)
 
-    def busy_intervals(self):
+    def _busy_intervals(self):
         return self.inner.busy_intervals()
 
 

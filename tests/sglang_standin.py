@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import os
 import sys
 
@@ -105,7 +106,10 @@ class StandIn:
         body = await request.json()
         from safetensors.torch import load_file
 
-        named = list(load_file(os.path.join(body["model_path"], "model.safetensors")).items())
+        # a sharded checkpoint: the shards its index names (SGLang's loader reads them the same way)
+        with open(os.path.join(body["model_path"], "model.safetensors.index.json")) as f:
+            shards = sorted(set(json.load(f)["weight_map"].values()))
+        named = [item for shard in shards for item in load_file(os.path.join(body["model_path"], shard)).items()]
         self._load(named, body.get("weight_version"))
         return web.json_response({"success": True, "message": "ok", "num_paused_requests": 0})
 

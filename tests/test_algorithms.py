@@ -13,44 +13,63 @@ import pytest
 import torch
 from lightning.pytorch import Callback
 
-from lit_parl import GRPOModule, GRPOObjective, RolloutDataModule, tiny_qwen2
+from lit_parl import GRPOModule, GRPOObjective, IterationShape, Packing, RolloutDataModule, tiny_qwen2
 from lit_parl.callbacks import WeightSync
 from lit_parl.objectives import LOSS_AGGREGATIONS
 from lit_parl.rollout import RolloutPool
 from lit_parl.tasks import CopyTask
-from lit_parl.trajectory import Group, SamplingParams
+from lit_parl.trajectory import GroupCompletions, SamplingParams
 
 PROMPTS, G, MAX_NEW = 8, 4, 6
 LR = 0.5
 
 
+class ScriptedTask(CopyTask):
+    """Prompt i's answer spells i, so the scripted reward can depend on the prompt: prompts whose id is a
+    multiple of ``equal_every`` give all-equal rewards, the others a fixed function of the completion."""
+
+    def __init__(self, equal_every: int = 3) -> None:
+        super().__init__()
+        self.equal_every = equal_every
+
+    def make(self, index: int) -> tuple[str, str]:
+        return super().make(index)[0], str(index)
+
+    def reward(self, answer_ids, completion_ids, eos_id) -> float:
+        prompt_id = int("".join(str(token - 3) for token in answer_ids))  # the character tokenizer: "0" is id 3
+        if prompt_id % self.equal_every == 0:
+            return 0.5
+        return random.Random(f"{prompt_id}/{list(completion_ids)}").random()
+
+
 class ScriptedPool(RolloutPool):
     """An in-process pool whose rollouts are a fixed function of (prompt_id, version): ragged completions,
-    rewards with some all-equal groups, handed out in a seeded order (as if some groups were slow)."""
+    handed out in a seeded order (as if some groups were slow)."""
 
-    def __init__(self, order_seed: int = 0, equal_every: int = 3) -> None:
+    backend = "scripted"
+
+    def __init__(self, order_seed: int = 0) -> None:
+        super().__init__()
         self.order_seed = order_seed
-        self.equal_every = equal_every
-        self.version = None
         self.requests = []
         self.eos_id = None
 
-    def start(self, policy, reward_fn, eos_id, pad_id, colocated):
-        self.eos_id = eos_id
+    def _start(self, spec):
+        self.eos_id = spec.eos_id
 
-    def sync_weights(self, named_tensors, version):
-        self.version = version
+    def _sync_weights(self, buckets, version):
+        for _ in buckets:
+            pass
 
-    def generate(self, requests, sampling):
-        self.check_requests(requests)
+    def _generate(self, requests, sampling):
         self.requests.extend(requests)
         groups = [self.rollout(r.prompt_id, r.version) for r in requests]
         random.Random(self.order_seed + 1000 * self.version).shuffle(groups)
         yield from groups
 
-    def rollout(self, prompt_id: int, version: int) -> Group:
+    def rollout(self, prompt_id: int, version: int) -> GroupCompletions:
         rng = random.Random(f"{prompt_id}/{version}")
-        completions, rewards, reasons = [], [], []
+        completions, reasons = [], []
         for _ in range(G):
             length = rng.randint(1, MAX_NEW)
             tokens = [rng.randrange(3, 13) for _ in range(length)]
@@ -59,30 +78,37 @@ class ScriptedPool(RolloutPool):
                 tokens[-1] = self.eos_id
             completions.append(tokens)
             reasons.append("stop" if stop else "length")
-            rewards.append(0.5 if prompt_id % self.equal_every == 0 else rng.random())
-        return Group(prompt_id, version, list(range(G)), completions, [[-1.0] * len(c) for c in completions], rewards, reasons)
+        return GroupCompletions(prompt_id, version, list(range(G)), completions, [[-1.0] * len(c) for c in completions], reasons)
 
-    def health(self):
-        return {"backend": "scripted", "workers": int(self.eos_id is not None), "version": self.version}
+    def _worker_counts(self):
+        return (1, 1)
 
-    def close(self):
+    def _close(self):
         pass
 
 
-def train(objective_kwargs: dict, iterations: int = 1, micro_batch_size: int = 8, order_seed: int = 0, packing: str = "auto", **module_kwargs):
+def components(objective: GRPOObjective, pool: ScriptedPool, micro_batch_size: int, mini_batches: int = 1, passes: int = 1,
+               task=None, packing: str = "auto", **module_kwargs):
     policy, tokenizer = tiny_qwen2(seed=0)
-    initial = copy.deepcopy(policy)
+    shape = IterationShape(PROMPTS, G, micro_batch_size, mini_batches, passes)
+    module = GRPOModule(policy, objective, shape, tokenizer=tokenizer, **module_kwargs)
+    data = RolloutDataModule(task or ScriptedTask(), pool, tokenizer, shape, objective, initial_model=policy,
+                             sampling=SamplingParams(max_new_tokens=MAX_NEW), packing=Packing(packing), trainer_threads=1)
+    return module, data
+
+
+def train(objective_kwargs: dict, iterations: int = 1, micro_batch_size: int = 8, order_seed: int = 0, packing: str = "auto",
+          mini_batches: int = 1, passes: int = 1):
     # plain SGD and no clipping: the update is -lr x gradient, so a wrong normaliser (even a uniform
     # factor, which Adam's first step and norm clipping would hide) shows in the weights
-    module = GRPOModule(policy, GRPOObjective(**objective_kwargs), tokenizer=tokenizer, max_grad_norm=None,
-                        optimizer=functools.partial(torch.optim.SGD, lr=LR), **module_kwargs)
     pool = ScriptedPool(order_seed=order_seed)
-    data = RolloutDataModule(CopyTask(), pool, tokenizer, prompts_per_iteration=PROMPTS, group_size=G, micro_batch_size=micro_batch_size,
-                             sampling=SamplingParams(max_new_tokens=MAX_NEW), packing=packing, trainer_threads=1)
+    module, data = components(GRPOObjective(**objective_kwargs), pool, micro_batch_size, mini_batches, passes, packing=packing,
+                              max_grad_norm=None, optimizer=functools.partial(torch.optim.SGD, lr=LR))
+    initial = copy.deepcopy(module.policy)
     trainer = lightning.Trainer(accelerator="cpu", max_epochs=iterations, callbacks=[WeightSync()], logger=False,
                                 enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
     trainer.fit(module, datamodule=data)
-    return module, initial, pool, data, tokenizer
+    return module, initial, pool, data, data.tokenizer
 
 
 def reference_update(initial, pool: ScriptedPool, data: RolloutDataModule, objective: dict, mini_batches: int = 1, passes: int = 1):
@@ -95,9 +121,9 @@ def reference_update(initial, pool: ScriptedPool, data: RolloutDataModule, objec
     mode = objective.get("loss_aggregation", "seq-mean-token-mean")
     samples = []  # (slot, prompt ids, completion, advantage)
     for slot in range(PROMPTS):
-        request = data.request(slot, 0)
+        request = data.schedule.requests([slot], 0)[slot]
         group = pool.rollout(slot, 0)
-        r = torch.tensor(group.rewards, dtype=torch.float64)
+        r = torch.tensor([data.task.reward(request.answer_ids, c, pool.eos_id) for c in group.completions], dtype=torch.float64)
         adv = torch.zeros(G, dtype=torch.float64) if bool((r == r[0]).all()) else (r - r.mean()) / (r.std() + 1e-6)
         for k in range(G):
             samples.append((slot, list(request.prompt_ids), group.completions[k], float(adv[k])))
@@ -171,10 +197,8 @@ def test_later_passes_see_clipping_against_the_iteration_snapshot():
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
             clip_fractions.append((batch.pass_index, float(pl_module.metrics["clip_fraction"].mean_value)))
 
-    policy, tokenizer = tiny_qwen2(seed=0)
-    module = GRPOModule(policy, GRPOObjective(clip_eps=0.01, loss_aggregation="token-mean"), tokenizer=tokenizer, lr=3e-2, passes=3)
-    data = RolloutDataModule(CopyTask(), ScriptedPool(), tokenizer, prompts_per_iteration=PROMPTS, group_size=G, micro_batch_size=32,
-                             sampling=SamplingParams(max_new_tokens=MAX_NEW), trainer_threads=1)
+    module, data = components(GRPOObjective(clip_eps=0.01, loss_aggregation="token-mean"), ScriptedPool(), micro_batch_size=32,
+                              passes=3, optimizer=functools.partial(torch.optim.AdamW, lr=3e-2, weight_decay=0.0))
     lightning.Trainer(max_epochs=1, callbacks=[WeightSync(), Recorder()], logger=False, enable_checkpointing=False,
                       enable_progress_bar=False, enable_model_summary=False).fit(module, datamodule=data)
     assert [p for p, _ in clip_fractions] == [0, 1, 2]
@@ -189,11 +213,9 @@ def test_dynamic_sampling_keeps_the_group_count_and_loses_no_prompt():
         def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
             seen.append(batch)
 
-    policy, tokenizer = tiny_qwen2(seed=0)
-    module = GRPOModule(policy, GRPOObjective(dynamic_sampling=True, loss_aggregation="token-mean"), tokenizer=tokenizer)
-    pool = ScriptedPool(equal_every=3)  # prompt ids divisible by 3 give all-equal rewards
-    data = RolloutDataModule(CopyTask(), pool, tokenizer, prompts_per_iteration=PROMPTS, group_size=G, micro_batch_size=8,
-                             sampling=SamplingParams(max_new_tokens=MAX_NEW), trainer_threads=1)
+    pool = ScriptedPool()
+    module, data = components(GRPOObjective(dynamic_sampling=True, loss_aggregation="token-mean"), pool, micro_batch_size=8,
+                              task=ScriptedTask(equal_every=3))  # prompt ids divisible by 3 give all-equal rewards
     lightning.Trainer(max_epochs=3, callbacks=[WeightSync(), Recorder()], logger=False, enable_checkpointing=False,
                       enable_progress_bar=False, enable_model_summary=False).fit(module, datamodule=data)
     requested = [r.prompt_id for r in pool.requests]
@@ -209,7 +231,7 @@ def test_dynamic_sampling_keeps_the_group_count_and_loses_no_prompt():
     trained_ids = sorted(p for b in seen for p in set(b.prompt_ids))
     assert sorted(trained_ids + dropped) == requested
     assert sum(s.dropped_groups for s in data.history) == len(dropped)
-    assert data.cursor == len(requested)
+    assert data.schedule.cursor == len(requested)
 
 
 @pytest.mark.parametrize("preset", ["grpo", "dr_grpo", "dapo", "gspo", "rloo"])
@@ -221,7 +243,7 @@ def test_every_preset_trains_through_the_cli(tmp_path, preset):
     with initialize_config_module(config_module="lit_parl.conf", version_base="1.3"):
         cfg = compose(config_name="config", overrides=[
             f"algorithm={preset}", "iterations=2", f"run_dir={tmp_path}", "checkpoint_every=0",
-            "rollout.prompts_per_iteration=8", "rollout.micro_batch_size=16", "model.hidden_size=64", "model.intermediate_size=128",
+            "shape.prompts=8", "shape.micro_batch_size=16", "model.hidden_size=64", "model.intermediate_size=128",
         ])
     summary = run(cfg)
     assert summary["iterations"] == 2
@@ -233,15 +255,13 @@ def test_every_preset_trains_through_the_cli(tmp_path, preset):
 
 def test_resume_from_a_checkpoint_continues_exactly(tmp_path):
     """Checkpoint at an iteration boundary, resume in a fresh process state: same prompts, same weights as
-    an uninterrupted run (the resume bugs of DESIGN.md §6: re-run or skipped prompts, lost cursor)."""
+    an uninterrupted run (the resume bugs: re-run or skipped prompts, lost cursor)."""
     from lightning.pytorch.callbacks import ModelCheckpoint
 
     def run(iterations, ckpt_path=None, checkpoint_dir=None):
-        policy, tokenizer = tiny_qwen2(seed=0)
-        module = GRPOModule(policy, GRPOObjective(beta=0.04), tokenizer=tokenizer, lr=1e-3, mini_batches=2)
         pool = ScriptedPool()
-        data = RolloutDataModule(CopyTask(), pool, tokenizer, prompts_per_iteration=PROMPTS, group_size=G, micro_batch_size=8,
-                                 sampling=SamplingParams(max_new_tokens=MAX_NEW), trainer_threads=1)
+        module, data = components(GRPOObjective(beta=0.04), pool, micro_batch_size=8, mini_batches=2,
+                                  optimizer=functools.partial(torch.optim.AdamW, lr=1e-3, weight_decay=0.0))
         callbacks = [WeightSync()]
         if checkpoint_dir:
             callbacks.append(ModelCheckpoint(dirpath=checkpoint_dir, every_n_epochs=1, save_top_k=-1, save_last=True))
@@ -253,6 +273,6 @@ def test_resume_from_a_checkpoint_continues_exactly(tmp_path):
     run(2, checkpoint_dir=tmp_path)
     resumed, resumed_pool, data = run(4, ckpt_path=str(tmp_path / "last.ckpt"))
     assert [(r.prompt_id, r.version) for r in resumed_pool.requests] == [(r.prompt_id, r.version) for r in straight_pool.requests[2 * PROMPTS :]]
-    assert data.cursor == 4 * PROMPTS and data.iterations_done == 4
+    assert data.schedule.cursor == 4 * PROMPTS and data.iterations_done == 4
     assert_same_weights(resumed.policy, straight.policy)
     assert_same_weights(resumed.reference, straight.reference)  # θ_0 survives the checkpoint

@@ -13,13 +13,15 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from lit_parl import GRPOModule, GRPOObjective, tiny_qwen2
+from lit_parl import GRPOModule, GRPOObjective, IterationShape, tiny_qwen2
 from lit_parl.kernels import token_logprobs
 from lit_parl.objectives import LOSS_AGGREGATIONS
 from lit_parl.rollout.sampling import filter_logits, sample_groups
 from lit_parl.tasks import CopyTask, ReverseTask, positional_reward
 from lit_parl.tokenizer import CHARACTERS, SPECIAL_TOKENS, build_char_tokenizer
 from lit_parl.trajectory import GroupRequest, SamplingParams, Trajectory, collate, sample_seed
+
+SHAPE = IterationShape(prompts=1, group_size=4, micro_batch_size=4)
 
 
 # ------------------------------------------------------------------------------------------------------
@@ -668,7 +670,7 @@ def test_collate_layout(tok, packing):
     sibling = copy.deepcopy(trajectories[0])
     sibling.sample_index, sibling.completion_ids, sibling.rollout_logprobs = 1, [4, 1], [-2.0, -2.5]
     trajectories.append(sibling)
-    batch = collate(trajectories, tok.pad_token_id, sample_offset=8, iteration_samples=16, packing=packing)
+    batch = collate(trajectories, tok.pad_token_id, sample_offset=8, packing=packing)
     ordered = [trajectories[0], sibling, *trajectories[1:4]]
     width = max(len(t.completion_ids) for t in ordered)
     assert batch.completion_mask.shape == batch.rollout_logprobs.shape == (5, width)
@@ -698,22 +700,22 @@ def test_collate_layout(tok, packing):
     assert batch.truncated.tolist() == [t.truncated for t in ordered]
     assert batch.prompt_ids == [t.prompt_id for t in ordered]
     assert batch.sample_indices == [t.sample_index for t in ordered]
-    assert (batch.version, batch.sample_offset, batch.iteration_samples, batch.size) == (3, 8, 16, 5)
+    assert (batch.version, batch.sample_offset, batch.ends_step, batch.size) == (3, 8, True, 5)
 
     mixed = copy.deepcopy(trajectories)
     mixed[1].version = 4
     with pytest.raises(ValueError, match="mixes policy versions"):
-        collate(mixed, tok.pad_token_id, 0, 16)
-    with pytest.raises(ValueError, match="rollout.packing"):
-        collate(trajectories, tok.pad_token_id, 0, 16, packing="bogus")
+        collate(mixed, tok.pad_token_id, 0)
+    with pytest.raises(ValueError, match="packing='bogus'"):
+        collate(trajectories, tok.pad_token_id, 0, packing="bogus")
 
 
 @pytest.mark.parametrize("packing", ["padded", "shared_prompt"])
 @pytest.mark.parametrize("temperature", [1.0, 0.6])
 def test_module_completion_logprobs_match_plain_forward(model, tok, temperature, packing):
     trajectories = _trajectories(tok)
-    batch = collate(trajectories, tok.pad_token_id, sample_offset=0, iteration_samples=4, packing=packing)
-    module = GRPOModule(model, GRPOObjective(), tokenizer=tok, temperature=temperature)
+    batch = collate(trajectories, tok.pad_token_id, sample_offset=0, packing=packing)
+    module = GRPOModule(model, GRPOObjective(), SHAPE, tokenizer=tok, temperature=temperature)
     with torch.no_grad():
         logp = module.completion_logprobs(model, batch)
     assert logp.shape == batch.completion_mask.shape
@@ -749,14 +751,14 @@ def test_cli_run_summary_metrics_and_hf_export(tmp_path, monkeypatch, capsys):
     keys = {"iterations", "mode", "reward_first", "reward_last10", "wall_s", "completions_per_s", "tokens_per_s", "gen_busy_s", "train_busy_s", "run_dir"}
     assert keys <= summary.keys()
     assert summary["iterations"] == 2
-    assert summary["mode"] == cfg.rollout.mode
+    assert summary["mode"] == cfg.datamodule.mode
     assert summary["run_dir"] == str(run_dir.resolve())
-    samples = cfg.rollout.prompts_per_iteration * cfg.rollout.group_size
+    samples = cfg.shape.prompts * cfg.shape.group_size
     if "completions" in summary:
         assert summary["completions"] == 2 * samples
     assert summary["wall_s"] > 0 and summary["completions_per_s"] > 0 and summary["tokens_per_s"] > 0
     # every completion has between 1 and max_new_tokens tokens
-    max_new = cfg.rollout.sampling.max_new_tokens
+    max_new = cfg.sampling.max_new_tokens
     assert summary["completions_per_s"] <= summary["tokens_per_s"] + 0.01 <= max_new * summary["completions_per_s"] + 0.02
     assert summary["completions_per_s"] == pytest.approx(2 * samples / summary["wall_s"], rel=0.01)
     assert summary["gen_busy_s"] > 0 and summary["train_busy_s"] > 0
@@ -803,8 +805,8 @@ def test_cli_run_summary_metrics_and_hf_export(tmp_path, monkeypatch, capsys):
 
 def test_micro_batch_transfer_skips_the_walk_on_its_own_device_and_moves_everything_otherwise(model, tok):
     trajectories = _trajectories(tok)
-    batch = collate(trajectories, tok.pad_token_id, sample_offset=0, iteration_samples=4, packing="shared_prompt")
-    module = GRPOModule(model, GRPOObjective(), tokenizer=tok)
+    batch = collate(trajectories, tok.pad_token_id, sample_offset=0, packing="shared_prompt")
+    module = GRPOModule(model, GRPOObjective(), SHAPE, tokenizer=tok)
     assert module.transfer_batch_to_device(batch, torch.device("cpu"), 0) is batch
     moved = module.transfer_batch_to_device(batch, torch.device("meta"), 0)
     assert moved.advantages.is_meta and moved.tokens.input_ids.is_meta

@@ -158,7 +158,7 @@ def test_workers_gone_after_normal_fit():
         assert not alive, f"rollout workers still alive after fit returned: {_describe(alive)}"
         leftover = _non_tracker_children() - before
         assert not leftover, f"new child processes left after fit: {_describe(leftover)}"
-        assert datamodule.pool.pids() == [] and datamodule.pool.health()["workers"] == 0
+        assert datamodule.pool.pids() == [] and not datamodule.pool.health().started
     finally:
         datamodule.pool.close()
 
@@ -173,7 +173,7 @@ class _FailingModule(GRPOModule):
 def test_workers_gone_after_exception_in_training():
     before = _non_tracker_children()
     module, datamodule = make_components()
-    module = _FailingModule(module.policy, module.objective, tokenizer=module.tokenizer)  # fails in iteration 2
+    module = _FailingModule(module.policy, module.objective, module.shape, tokenizer=module.tokenizer)  # fails in iteration 2
     recorder = _RecordWorkers()
     try:
         with pytest.raises(ValueError, match="injected failure in training_step"):
@@ -295,16 +295,16 @@ def _compose_and_build(tmp_path: Path, overrides: list[str]):
 @pytest.mark.parametrize(
     "overrides, error, fragments",
     [
-        (["rollout.group_size=1"], ValueError, ["rollout.group_size=1", "at least 2"]),
-        (["rollout.micro_batch_size=7"], ValueError, ["rollout.micro_batch_size=7", "32 x 8 = 256"]),
+        (["shape.group_size=1"], InstantiationException, ["group_size=1", "at least 2", "full_key: shape"]),
+        (["shape.micro_batch_size=7"], InstantiationException, ["micro_batch_size=7", "32 prompts x group_size 8 = 256", "full_key: shape"]),
         (["task=nonexistent"], MissingConfigException, ["task/nonexistent", "copy", "reverse"]),
-        (["rollout=nonexistent"], MissingConfigException, ["rollout/nonexistent", "hf"]),
+        (["pool=nonexistent"], MissingConfigException, ["pool/nonexistent", "hf"]),
         (["model=pretrained", "model.path=/does/not/exist"], InstantiationException, ["/does/not/exist", "config.json"]),
         (["model=pretrained"], MissingMandatoryValue, ["model.path"]),
-        (["rollout.mode=bogus"], ValueError, ["bogus", "async", "sync"]),
-        (["algorithm.mini_batches=3"], ValueError, ["algorithm.mini_batches=3", "32 prompts", "micro_batch_size=64"]),
+        (["datamodule.mode=bogus"], ValueError, ["mode='bogus'", "async", "sync", "(config: datamodule)"]),
+        (["shape.mini_batches=3"], InstantiationException, ["mini_batches=3", "32 prompts", "micro_batch_size=64", "full_key: shape"]),
     ],
-    ids=["group_size", "micro_batch_size", "task", "rollout", "model_path", "model_path_missing", "mode", "mini_batches"],
+    ids=["group_size", "micro_batch_size", "task", "pool", "model_path", "model_path_missing", "mode", "mini_batches"],
 )
 def test_bad_config_fails_before_any_process(tmp_path, overrides, error, fragments):
     before = _live_children(os.getpid())
@@ -314,7 +314,7 @@ def test_bad_config_fails_before_any_process(tmp_path, overrides, error, fragmen
     for fragment in fragments:
         assert fragment in message, f"{fragment!r} missing from the error message:\n{message}"
     if error is InstantiationException:  # the library's own error, not a bare Hydra wrapper
-        assert isinstance(excinfo.value.__cause__, FileNotFoundError)
+        assert isinstance(excinfo.value.__cause__, (FileNotFoundError, ValueError))
     started = _live_children(os.getpid()) - before
     assert not started, f"a bad configuration started processes: {_describe(started)}"
 
@@ -325,7 +325,7 @@ def test_default_config_builds_without_starting_processes(tmp_path):
     try:
         assert isinstance(module, GRPOModule) and isinstance(datamodule, RolloutDataModule)
         assert isinstance(trainer, lightning.Trainer)
-        assert datamodule.pool.pids() == [] and datamodule.pool.health()["workers"] == 0
+        assert datamodule.pool.pids() == [] and not datamodule.pool.health().started
         started = _live_children(os.getpid()) - before
         assert not started, f"build() started processes: {_describe(started)}"
     finally:
@@ -377,18 +377,18 @@ _WHEEL_CHECK = textwrap.dedent(
     from hydra.utils import get_class, get_method
     with initialize_config_module(config_module="lit_parl.conf", version_base="1.3"):
         cfg = compose(config_name="config", overrides=["run_dir=unused"])
-        for group in ("model", "task", "rollout", "algorithm", "trainer"):
+        for group in ("model", "task", "pool", "algorithm", "optimizer", "lr_schedule", "trainer", "logger", "callbacks"):
             assert group in cfg, group
         assert cfg.model._target_ == "lit_parl.model.tiny_qwen2"
         assert cfg.task._target_ == "lit_parl.tasks.CopyTask"
-        assert cfg.rollout.pool._target_ == "lit_parl.rollout.HFRolloutPool" and cfg.rollout.group_size == 8
+        assert cfg.pool._target_ == "lit_parl.rollout.HFRolloutPool" and cfg.shape.group_size == 8
         assert cfg.algorithm.objective._target_ == "lit_parl.objectives.GRPOObjective"
         assert cfg.trainer._target_ == "lightning.Trainer"
         other = compose(config_name="config", overrides=["run_dir=unused", "task=reverse", "model=pretrained", "model.path=/x"])
         assert other.task._target_ == "lit_parl.tasks.ReverseTask" and other.model._target_ == "lit_parl.model.pretrained"
     for target in (cfg.model._target_, other.model._target_):
         assert under_site(sys.modules[get_method(target).__module__]), target
-    for target in (cfg.task._target_, other.task._target_, cfg.rollout.pool._target_, cfg.algorithm.objective._target_):
+    for target in (cfg.task._target_, other.task._target_, cfg.pool._target_, cfg.algorithm.objective._target_):
         assert under_site(sys.modules[get_class(target).__module__]), target
     print("WHEEL OK")
     """
@@ -416,7 +416,7 @@ def test_wheel_ships_subpackages_and_configs(tmp_path):
     for name in ("kernels", "callbacks", "conf"):
         assert not (site / name).exists(), f"the wheel installs a top-level {name!r}"
     for config in ("config.yaml", "model/tiny_qwen2.yaml", "model/pretrained.yaml", "task/copy.yaml", "task/reverse.yaml",
-                   "rollout/hf.yaml", "algorithm/grpo.yaml", "trainer/cpu.yaml"):
+                   "pool/hf.yaml", "algorithm/grpo.yaml", "trainer/cpu.yaml"):
         assert (site / "lit_parl" / "conf" / config).is_file(), f"lit_parl/conf/{config} missing from the wheel"
 
     env = {**os.environ, "PYTHONPATH": str(site), "PYTHONNOUSERSITE": "1"}

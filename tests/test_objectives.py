@@ -21,7 +21,7 @@ import pytest
 import torch
 from hydra import compose, initialize_config_module
 
-from lit_parl import GRPOModule, GRPOObjective, tiny_qwen2
+from lit_parl import GRPOModule, GRPOObjective, IterationShape, tiny_qwen2
 from lit_parl.kernels.logprobs import linear_token_logprobs
 from lit_parl.objectives import LOSS_AGGREGATIONS, kl_estimate
 from lit_parl.trajectory import Trajectory, collate
@@ -258,12 +258,12 @@ def test_preset_composes_to_its_documented_options(preset):
     assert got == PRESETS[preset]
     assert objective.needs_reference is False  # β = 0 in every preset: no reference forward
     if preset == "dr_grpo":
-        assert objective.max_length == cfg.rollout.sampling.max_new_tokens
+        assert objective.max_length == cfg.sampling.max_new_tokens
 
 
 def test_dr_grpo_max_length_follows_the_length_limit():
-    objective, cfg = compose_objective("dr_grpo", "rollout.sampling.max_new_tokens=9")
-    assert cfg.rollout.sampling.max_new_tokens == 9 and objective.max_length == 9
+    objective, cfg = compose_objective("dr_grpo", "sampling.max_new_tokens=9")
+    assert cfg.sampling.max_new_tokens == 9 and objective.max_length == 9
 
 
 @pytest.mark.parametrize("preset", list(PRESETS))
@@ -271,7 +271,7 @@ def test_preset_pipeline_rewards_to_loss(preset):
     """Rewards -> shaped rewards -> advantages -> loss value and gradient, each step by hand."""
     objective, cfg = compose_objective(preset)
     options = PRESETS[preset]
-    limit = cfg.rollout.sampling.max_new_tokens  # 6
+    limit = cfg.sampling.max_new_tokens  # 6
     rewards = [1.0, 0.0, 0.5, 0.25]
     lengths = [2, 5, 6, 4]
     truncated = [False, False, True, False]
@@ -501,11 +501,17 @@ def test_overlong_shaping_by_hand(buffer, penalty):
     assert off.tolist() == torch.tensor(rewards).tolist()
 
 
-def test_module_group_advantages_shape_then_advantage():
-    policy, tokenizer = tiny_qwen2()
-    module = GRPOModule(policy, GRPOObjective(overlong_buffer=2, overlong_penalty=0.5, scale_rewards=False), tokenizer=tokenizer)
+def test_the_acceptor_shapes_rewards_then_computes_advantages():
+    from lit_parl.data import GroupAcceptor
+    from lit_parl.trajectory import Group, GroupRequest
+
+    acceptor = GroupAcceptor(GRPOObjective(overlong_buffer=2, overlong_penalty=0.5, scale_rewards=False), group_size=4, max_new_tokens=6)
     rewards, lengths, truncated = [1.0, 1.0, 0.0, 1.0], [3, 5, 4, 6], [False, False, False, True]
-    shaped, advantages = module.group_advantages(torch.tensor(rewards), torch.tensor(lengths), torch.tensor(truncated), 6)
+    completions = [[5] * n for n in lengths]
+    group = Group(0, 0, [0, 1, 2, 3], completions, [[0.0] * n for n in lengths], rewards, ["length" if t else "stop" for t in truncated])
+    trajectories = acceptor.accept(group, {0: GroupRequest(0, (4,), (5,), 0, (1, 2, 3, 4))}, version=0)
+    shaped = torch.tensor([t.shaped_reward for t in trajectories])
+    advantages = torch.tensor([t.advantage for t in trajectories])
     expected_shaped = [hand_shape(r, n, tr, 6, 2, 0.5) for r, n, tr in zip(rewards, lengths, truncated)]
     assert expected_shaped == [1.0, 0.75, 0.0, 0.5]
     torch.testing.assert_close(shaped, torch.tensor(expected_shaped))
@@ -576,7 +582,7 @@ def _kl_batch(group_size=3, drop=None):
                 rollout_logprobs=[-0.5] * len(c), reward=rewards[prompt][k], advantage=0.0, truncated=False,
                 shaped_reward=shaped[prompt][k],
             ))
-    return collate(trajectories, pad_id=0, sample_offset=0, iteration_samples=6, packing="padded", group_size=group_size)
+    return collate(trajectories, pad_id=0, sample_offset=0, packing="padded", group_size=group_size)
 
 
 @pytest.fixture(scope="module")
@@ -590,7 +596,7 @@ def test_kl_in_reward_advantages_group_by_group(policy_and_tokenizer, estimator,
     policy, tokenizer = policy_and_tokenizer
     beta = 0.3
     objective = GRPOObjective(beta=beta, kl_estimator=estimator, kl_in_reward=True, advantage=advantage, scale_rewards=scale_rewards)
-    module = GRPOModule(policy, objective, tokenizer=tokenizer)
+    module = GRPOModule(policy, objective, IterationShape(prompts=2, group_size=3, micro_batch_size=6), tokenizer=tokenizer)
     batch = _kl_batch()
     n, T = batch.completion_mask.shape
     assert (n, T) == (6, 4) and batch.prompt_ids == [7, 7, 7, 9, 9, 9]
@@ -616,7 +622,7 @@ def test_kl_in_reward_advantages_group_by_group(policy_and_tokenizer, estimator,
 
 def test_kl_in_reward_refuses_a_split_group(policy_and_tokenizer):
     policy, tokenizer = policy_and_tokenizer
-    module = GRPOModule(policy, GRPOObjective(beta=0.1, kl_in_reward=True), tokenizer=tokenizer)
+    module = GRPOModule(policy, GRPOObjective(beta=0.1, kl_in_reward=True), IterationShape(prompts=2, group_size=3, micro_batch_size=6), tokenizer=tokenizer)
     batch = _kl_batch(drop=(7, 2))  # prompt 7 has 2 of its 3 samples here
     zeros = torch.zeros(batch.completion_mask.shape)
     with pytest.raises(ValueError, match="whole groups"):
@@ -815,7 +821,7 @@ def test_kl_estimate_unknown_estimator():
 def test_bad_values_name_the_option(kwargs, names):
     with pytest.raises(ValueError) as info:
         GRPOObjective(**kwargs)
-    assert str(info.value).startswith("algorithm.objective:")
+    assert str(info.value).startswith("GRPOObjective:")
     for name in names:
         assert name in str(info.value)
 

@@ -374,7 +374,7 @@ def test_collate_rollout_logprobs_identical(seed, packing):
     rng = random.Random(seed)
     trajectories = random_trajectories(rng, rng.randint(1, 8), rng.randint(1, 8), (1, 12) if seed % 2 else (150, 220))
     max_row_tokens = rng.choice([None, 64])
-    batch = collate(trajectories, 0, 0, len(trajectories), packing=packing, max_row_tokens=max_row_tokens)
+    batch = collate(trajectories, 0, 0, packing=packing, max_row_tokens=max_row_tokens)
     by_prompt: dict[int, list[Trajectory]] = {}
     for t in trajectories:
         by_prompt.setdefault(t.prompt_id, []).append(t)
@@ -389,7 +389,7 @@ def test_collate_rollout_logprobs_fallback_for_short_logprob_lists():
     rng = random.Random(3)
     trajectories = random_trajectories(rng, 2, 3, (2, 5))
     trajectories[1].completion_ids = trajectories[1].completion_ids + [7, 7]
-    batch = collate(trajectories, 0, 0, len(trajectories), packing="padded")
+    batch = collate(trajectories, 0, 0, packing="padded")
     by_prompt: dict[int, list[Trajectory]] = {}
     for t in trajectories:
         by_prompt.setdefault(t.prompt_id, []).append(t)

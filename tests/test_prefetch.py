@@ -43,7 +43,7 @@ def test_prefetch_trains_bit_identical_weights_on_the_same_micro_batches():
         data.prefetch = prefetch
         recorder = Recorder()
         fit(module, data, iterations=3, callbacks=[recorder])
-        runs[prefetch] = (policy_state(module), recorder.batches, data.cursor, data.iterations_done)
+        runs[prefetch] = (policy_state(module), recorder.batches, data.schedule.cursor, data.iterations_done)
     (weights_a, batches_a, cursor_a, done_a), (weights_b, batches_b, cursor_b, done_b) = runs[False], runs[True]
     assert (cursor_a, done_a) == (cursor_b, done_b) == (24, 3)
     assert len(batches_a) == len(batches_b) == 3 * 2 * 4  # iterations x passes x micro-batches
@@ -67,13 +67,14 @@ def test_the_next_iterations_prompts_are_tokenized_ahead_and_equal_on_demand_tok
     fit(module, data, iterations=2)
     assert _wait_for_no_prefetch_thread() == []  # it tokenizes after handing out its last micro-batch
     # the prefetch thread of the last iteration tokenized the prompts the next iteration would draw
-    assert sorted(data._tokenized) == list(range(data.cursor, data.cursor + data.prompts_per_iteration))
-    ahead = data.requests(list(range(data.cursor, data.cursor + 3)), version=5)
-    assert not set(ahead) & set(data._tokenized), "requests() must consume what it takes from the cache"
+    schedule = data.schedule
+    assert sorted(schedule._tokenized) == list(range(schedule.cursor, schedule.cursor + data.shape.prompts))
+    ahead = schedule.requests(list(range(schedule.cursor, schedule.cursor + 3)), version=5)
+    assert not set(ahead) & set(schedule._tokenized), "requests() must consume what it takes from the cache"
     _, fresh = make_components()
-    assert fresh.requests(list(ahead), version=5) == ahead
+    assert fresh.schedule.requests(list(ahead), version=5) == ahead
     data.load_state_dict(data.state_dict())
-    assert data._tokenized == {}, "a resume may move the cursor: nothing tokenized for the old one may linger"
+    assert schedule._tokenized == {}, "a resume may move the cursor: nothing tokenized for the old one may linger"
 
 
 def test_no_prefetch_thread_outlives_a_fit():
@@ -89,7 +90,7 @@ class FailingStep(Callback):
 
 
 class SlowAfterFirstGroupTask(CopyTask):
-    """Scores its first group at once, then takes a second per completion (runs in the worker)."""
+    """Scores its first group at once, then takes a second per completion (in the scorer's thread)."""
 
     def __init__(self, group_size: int) -> None:
         super().__init__()
@@ -110,5 +111,5 @@ def test_a_failing_step_stops_the_prefetch_thread_while_it_waits_on_the_pool():
     data.prefetch = True
     with pytest.raises(RuntimeError, match="boom in the trainer"):
         fit(module, data, iterations=1, callbacks=[FailingStep()])
-    assert pool.health()["workers"] == 0
+    assert not pool.health().started
     assert _wait_for_no_prefetch_thread(timeout_s=15.0) == []

@@ -17,9 +17,11 @@ import pytest
 import torch
 
 from lit_parl.model import tiny_qwen2
+from lit_parl.rollout import PoolSpec
 from lit_parl.rollout.sglang import MalformedResponse, SGLangRolloutPool
+from lit_parl.rollout.sglang.messages import parse_group
 from lit_parl.tasks import CopyTask
-from lit_parl.trajectory import GroupRequest, SamplingParams, sample_seed
+from lit_parl.trajectory import GroupCompletions, GroupRequest, SamplingParams, sample_seed
 
 pytest.importorskip("aiohttp")
 
@@ -57,12 +59,31 @@ def requests_for(version: int, prompts: int = 4, group_size: int = 4, first: int
     return out
 
 
-def start_pool(model, tokenizer, **kwargs) -> SGLangRolloutPool:
+def save_spec(model, tokenizer, directory: Path) -> PoolSpec:
+    """What the datamodule hands a pool: the policy and its tokenizer saved as a model directory."""
+    model.save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
+    return PoolSpec(model_dir=directory, eos_id=tokenizer.eos_token_id, pad_id=tokenizer.pad_token_id)
+
+
+def buckets(model, size: int = 5) -> list[list[tuple[str, torch.Tensor]]]:
+    """The policy's parameters in buckets of ``size`` tensors, as WeightSync streams them."""
+    named = list(model.named_parameters())
+    return [named[i : i + size] for i in range(0, len(named), size)]
+
+
+@pytest.fixture(scope="module")
+def spec(tmp_path_factory) -> PoolSpec:
+    model, tokenizer = tiny_qwen2(seed=0)
+    return save_spec(model, tokenizer, tmp_path_factory.mktemp("spec") / "model")
+
+
+def start_pool(spec: PoolSpec, **kwargs) -> SGLangRolloutPool:
     kwargs.setdefault("launch_command", STANDIN)
     kwargs.setdefault("port", free_port())
     kwargs.setdefault("start_timeout_s", 120)
     pool = SGLangRolloutPool(**kwargs)
-    pool.start(model, CopyTask(seed=0), eos_id=tokenizer.eos_token_id, pad_id=tokenizer.pad_token_id, colocated=False)
+    pool.start(spec)
     return pool
 
 
@@ -84,8 +105,8 @@ def launch_standin(model_dir: Path, *flags: str) -> tuple[subprocess.Popen, str]
 @pytest.fixture()
 def saved_model(tmp_path):
     model, tokenizer = tiny_qwen2(seed=0)
-    model.save_pretrained(tmp_path / "model")
-    return model, tokenizer, tmp_path / "model"
+    spec = save_spec(model, tokenizer, tmp_path / "model")
+    return model, spec, tmp_path / "model"
 
 
 def trainer_logprobs(model, prompt: tuple[int, ...], completion: list[int], temperature: float) -> torch.Tensor:
@@ -99,19 +120,17 @@ def trainer_logprobs(model, prompt: tuple[int, ...], completion: list[int], temp
 # ------------------------------------------------------------------------------------------------------
 # start: launch, attach, and the errors when a server is not there
 # ------------------------------------------------------------------------------------------------------
-def test_attaching_to_a_server_that_is_down_names_its_url():
-    model, tokenizer = tiny_qwen2()
+def test_attaching_to_a_server_that_is_down_names_its_url(spec):
     url = f"http://127.0.0.1:{free_port()}"
     pool = SGLangRolloutPool(urls=[url], attach_timeout_s=1.5)
     with pytest.raises(RuntimeError, match=f"SGLang server {url} is not healthy"):
-        pool.start(model, CopyTask(), eos_id=tokenizer.eos_token_id, pad_id=tokenizer.pad_token_id, colocated=False)
-    assert pool.health()["workers"] == 0
+        pool.start(spec)
+    assert pool.health().workers == 0
 
 
-def test_a_launched_server_that_exits_reports_its_log():
-    model, tokenizer = tiny_qwen2()
+def test_a_launched_server_that_exits_reports_its_log(spec):
     with pytest.raises(RuntimeError, match=r"exited with code 3 while starting(.|\n)*exiting at start as asked"):
-        start_pool(model, tokenizer, launch_command=[*STANDIN, "--exit-at-start"])
+        start_pool(spec, launch_command=[*STANDIN, "--exit-at-start"])
 
 
 def test_bad_configuration_is_refused_before_anything_starts():
@@ -125,16 +144,17 @@ def test_bad_configuration_is_refused_before_anything_starts():
 # weight sync by each method: confirmed version, outputs of exactly the synced weights
 # ------------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("method", ["tensor", "distributed", "disk"])
-def test_each_sync_method_serves_exactly_the_synced_weights(method):
+def test_each_sync_method_serves_exactly_the_synced_weights(method, spec):
     model, tokenizer = tiny_qwen2(seed=0)
-    pool = start_pool(model, tokenizer, num_servers=2, sync_method=method, dist_backend="gloo", dist_master_port=free_port())
+    pool = start_pool(spec, num_servers=2, sync_method=method, dist_backend="gloo", dist_master_port=free_port())
     pids = pool.launched_pids()
     try:
         assert len(pids) == 2 and all(alive(p) for p in pids)
-        pool.sync_weights(model.named_parameters(), version=0)
+        pool.sync_weights(buckets(model), version=0)
         assert pool.version == 0
         groups = {g.prompt_id: g for g in pool.generate(requests_for(0), SAMPLING)}
         assert sorted(groups) == [0, 1, 2, 3] and {g.version for g in groups.values()} == {0}
+        assert all(type(g) is GroupCompletions for g in groups.values())  # unscored: the trainer scores
         request = requests_for(0)[0]
         for completion, logprobs in zip(groups[0].completions, groups[0].logprobs):
             torch.testing.assert_close(torch.tensor(logprobs), trainer_logprobs(model, request.prompt_ids, completion, 0.7), atol=1e-4, rtol=0)
@@ -145,7 +165,7 @@ def test_each_sync_method_serves_exactly_the_synced_weights(method):
 
         # version 1: other weights; the servers must serve exactly those
         changed, _ = tiny_qwen2(seed=1)
-        pool.sync_weights(changed.named_parameters(), version=1)
+        pool.sync_weights(buckets(changed), version=1)
         after = {g.prompt_id: g for g in pool.generate(requests_for(1), SAMPLING)}
         assert {g.version for g in after.values()} == {1}
         for completion, logprobs in zip(after[0].completions, after[0].logprobs):
@@ -157,15 +177,15 @@ def test_each_sync_method_serves_exactly_the_synced_weights(method):
 
 
 def test_a_version_the_servers_do_not_confirm_is_an_error(saved_model):
-    model, tokenizer, model_dir = saved_model
+    model, spec, model_dir = saved_model
     process, url = launch_standin(model_dir, "--stale-version")
     pool = SGLangRolloutPool(urls=[url], sync_method="disk")
     try:
-        pool.start(model, CopyTask(), eos_id=tokenizer.eos_token_id, pad_id=tokenizer.pad_token_id, colocated=False)
+        pool.start(spec)
         with pytest.raises(RuntimeError, match=rf"sync to version 0 was not confirmed: .*'{url}', 'default'"):
-            pool.sync_weights(model.named_parameters(), version=0)
+            pool.sync_weights(buckets(model), version=0)
         assert pool.version is None
-        with pytest.raises(RuntimeError, match="no weights yet"):
+        with pytest.raises(RuntimeError, match="no confirmed weights"):
             next(pool.generate(requests_for(0), SAMPLING))
     finally:
         pool.close()
@@ -173,11 +193,11 @@ def test_a_version_the_servers_do_not_confirm_is_an_error(saved_model):
         process.wait()
 
 
-def test_requests_of_another_version_are_refused():
+def test_requests_of_another_version_are_refused(spec):
     model, tokenizer = tiny_qwen2()
-    pool = start_pool(model, tokenizer, sync_method="disk")
+    pool = start_pool(spec, sync_method="disk")
     try:
-        pool.sync_weights(model.named_parameters(), version=3)
+        pool.sync_weights(buckets(model), version=3)
         with pytest.raises(RuntimeError, match=r"version gate: requests for policy version\(s\) \[2\]"):
             next(pool.generate(requests_for(2), SAMPLING))
     finally:
@@ -190,17 +210,17 @@ def test_requests_of_another_version_are_refused():
 def test_a_server_dying_mid_iteration_loses_and_duplicates_nothing(saved_model):
     """Two attached servers; one crashes while answering its third request. Its groups are generated again
     on the other server, every prompt comes back exactly once, with the same samples it would have had."""
-    model, tokenizer, model_dir = saved_model
+    model, spec, model_dir = saved_model
     dying, dying_url = launch_standin(model_dir, "--die-after-generates", "2")
     healthy, healthy_url = launch_standin(model_dir)
     pool = SGLangRolloutPool(urls=[dying_url, healthy_url], sync_method="disk", max_retries=2)
     try:
-        pool.start(model, CopyTask(), eos_id=tokenizer.eos_token_id, pad_id=tokenizer.pad_token_id, colocated=False)
-        pool.sync_weights(model.named_parameters(), version=0)
+        pool.start(spec)
+        pool.sync_weights(buckets(model), version=0)
         with pytest.warns(RuntimeWarning, match=f"SGLang server {dying_url} is down"):
             groups = list(pool.generate(requests_for(0, prompts=12), SAMPLING))
         assert sorted(g.prompt_id for g in groups) == list(range(12))
-        assert pool.health()["alive"] == 1
+        assert pool.health().alive == 1
         # seeds make a group independent of the server that generated it
         reference = {g.prompt_id: g.completions for g in pool.generate(requests_for(0, prompts=12), SAMPLING)}
         assert all(g.completions == reference[g.prompt_id] for g in groups)
@@ -213,12 +233,12 @@ def test_a_server_dying_mid_iteration_loses_and_duplicates_nothing(saved_model):
 
 
 def test_the_last_server_dying_is_a_clear_error(saved_model):
-    model, tokenizer, model_dir = saved_model
+    model, spec, model_dir = saved_model
     dying, url = launch_standin(model_dir, "--die-after-generates", "1")
     pool = SGLangRolloutPool(urls=[url], sync_method="disk", max_retries=2)
     try:
-        pool.start(model, CopyTask(), eos_id=tokenizer.eos_token_id, pad_id=tokenizer.pad_token_id, colocated=False)
-        pool.sync_weights(model.named_parameters(), version=0)
+        pool.start(spec)
+        pool.sync_weights(buckets(model), version=0)
         with pytest.raises(RuntimeError, match="no live SGLang server left"), pytest.warns(RuntimeWarning):
             list(pool.generate(requests_for(0, prompts=4), SAMPLING))
     finally:
@@ -228,12 +248,12 @@ def test_the_last_server_dying_is_a_clear_error(saved_model):
 
 
 def test_a_malformed_response_is_a_clear_error(saved_model):
-    model, tokenizer, model_dir = saved_model
+    model, spec, model_dir = saved_model
     process, url = launch_standin(model_dir, "--malformed")
     pool = SGLangRolloutPool(urls=[url], sync_method="disk")
     try:
-        pool.start(model, CopyTask(), eos_id=tokenizer.eos_token_id, pad_id=tokenizer.pad_token_id, colocated=False)
-        pool.sync_weights(model.named_parameters(), version=0)
+        pool.start(spec)
+        pool.sync_weights(buckets(model), version=0)
         with pytest.raises(MalformedResponse, match=f"{url}/generate for prompt .* meta_info lacks output_token_logprobs"):
             list(pool.generate(requests_for(0, prompts=2), SAMPLING))
     finally:
@@ -244,29 +264,30 @@ def test_a_malformed_response_is_a_clear_error(saved_model):
 
 def test_parse_checks_every_field():
     """The response checks, without a server: versions, lengths, finish reasons."""
-    pool = SGLangRolloutPool(urls=["http://unused"])
-    pool._reward_fn, pool._eos_id, pool.version = CopyTask(), 2, 0
     request = requests_for(0, prompts=1, group_size=2)[0]
+
+    def parse(answers, url):  # the pool holds version 0
+        return parse_group(request, answers, url, default_version=0)
 
     def output(tokens, version="0", reason="stop"):
         return {"output_ids": tokens, "meta_info": {"output_token_logprobs": [[-0.5, t, None] for t in tokens],
                                                     "finish_reason": {"type": reason}, "weight_version": version}}
 
-    group = pool._parse(request, [output([5, 2]), output([7, 8, 9], reason="length")], "u")
+    group = parse([output([5, 2]), output([7, 8, 9], reason="length")], "u")
     assert group.completions == [[5, 2], [7, 8, 9]] and group.finish_reasons == ["stop", "length"] and group.version == 0
-    assert pool._parse(request, [output([5, 2], "4"), output([5, 2], "4")], "u").version == 4  # stamped by the server
+    assert parse([output([5, 2], "4"), output([5, 2], "4")], "u").version == 4  # stamped by the server
     with pytest.raises(MalformedResponse, match="expected a list of 2 outputs, got a list of 1"):
-        pool._parse(request, [output([5])], "u")
+        parse([output([5])], "u")
     with pytest.raises(MalformedResponse, match="several weight versions"):
-        pool._parse(request, [output([5], "0"), output([5], "1")], "u")
+        parse([output([5], "0"), output([5], "1")], "u")
     with pytest.raises(MalformedResponse, match="weight_version 'default'"):
-        pool._parse(request, [output([5], "default"), output([5], "default")], "u")
+        parse([output([5], "default"), output([5], "default")], "u")
     with pytest.raises(MalformedResponse, match="unknown finish_reason"):
-        pool._parse(request, [output([5], reason="eos"), output([5])], "u")
+        parse([output([5], reason="eos"), output([5])], "u")
     bad = output([5, 6])
     bad["output_ids"] = [5]
     with pytest.raises(MalformedResponse, match="output_ids disagree"):
-        pool._parse(request, [bad, output([5])], "u")
+        parse([bad, output([5])], "u")
 
 
 # ------------------------------------------------------------------------------------------------------
@@ -279,10 +300,10 @@ def test_training_through_the_sglang_pool(tmp_path, monkeypatch):
 
     with initialize_config_module(config_module="lit_parl.conf", version_base="1.3"):
         cfg = compose(config_name="config", overrides=[
-            "rollout=sglang", "iterations=3", f"run_dir={tmp_path}", "checkpoint_every=0",
-            "rollout.prompts_per_iteration=8", "rollout.micro_batch_size=16",
-            "rollout.pool.num_servers=2", f"rollout.pool.port={free_port()}", "rollout.pool.sync_method=tensor",
-            f"rollout.pool.launch_command=[{STANDIN[0]},{STANDIN[1]}]", "rollout.pool.start_timeout_s=120",
+            "pool=sglang", "iterations=3", f"run_dir={tmp_path}", "checkpoint_every=0",
+            "shape.prompts=8", "shape.micro_batch_size=16",
+            "pool.num_servers=2", f"pool.port={free_port()}", "pool.sync_method=tensor",
+            f"pool.launch_command=[{STANDIN[0]},{STANDIN[1]}]", "pool.start_timeout_s=120",
         ])
     built = {}
     real_build = cli.build
@@ -297,8 +318,8 @@ def test_training_through_the_sglang_pool(tmp_path, monkeypatch):
     assert summary["iterations"] == 3
     assert [s.version for s in datamodule.history] == [0, 1, 2]
     assert all(s.completions == 8 * 8 for s in datamodule.history)
-    assert datamodule.cursor == 24  # every prompt scheduled once
-    assert datamodule.pool.health()["workers"] == 0  # closed at the end of the run
+    assert datamodule.schedule.cursor == 24  # every prompt scheduled once
+    assert datamodule.pool.health().workers == 0  # closed at the end of the run
 
 
 def test_the_gpu_check_sglang_section_runs_its_sequence_against_the_standin(tmp_path):
@@ -315,34 +336,34 @@ def test_the_gpu_check_sglang_section_runs_its_sequence_against_the_standin(tmp_
     assert records["sglang_sync_tensor"]["max_abs_logprob_diff_old_weights"] > 1e-4
 
 
-def test_a_distributed_sync_refuses_a_group_with_a_dead_member():
+def test_a_distributed_sync_refuses_a_group_with_a_dead_member(spec):
     """A broadcast to a group with a dead rank would hang until the NCCL timeout: refused at once instead."""
     model, tokenizer = tiny_qwen2()
-    pool = start_pool(model, tokenizer, num_servers=2, sync_method="distributed", dist_backend="gloo", dist_master_port=free_port())
+    pool = start_pool(spec, num_servers=2, sync_method="distributed", dist_backend="gloo", dist_master_port=free_port())
     try:
-        pool.sync_weights(model.named_parameters(), version=0)
-        dead = pool._servers[0]
+        pool.sync_weights(buckets(model), version=0)
+        dead = pool._fleet.servers[0]
         dead.process.kill()
         dead.process.wait()
         with pytest.warns(RuntimeWarning, match="is down"):
             groups = list(pool.generate(requests_for(0, prompts=6), SAMPLING))
         assert sorted(g.prompt_id for g in groups) == list(range(6))
         with pytest.raises(RuntimeError, match=rf"\['{dead.url}'\] left the weight-update group"):
-            pool.sync_weights(model.named_parameters(), version=1)
+            pool.sync_weights(buckets(model), version=1)
     finally:
         pool.close()
 
 
-def test_generation_through_sglang_router():
+def test_generation_through_sglang_router(spec):
     """The real sglang_router (PyPI) in front of two stand-in servers: generation goes through the router,
     weight updates to each server; close() stops the router and the servers it launched."""
     pytest.importorskip("sglang_router")
     model, tokenizer = tiny_qwen2()
-    pool = start_pool(model, tokenizer, num_servers=2, router=True, router_port=free_port(), sync_method="disk")
+    pool = start_pool(spec, num_servers=2, router=True, router_port=free_port(), sync_method="disk")
     pids = pool.launched_pids()
     try:
-        assert len(pids) == 3 and pool.health()["router"] is not None
-        pool.sync_weights(model.named_parameters(), version=0)
+        assert len(pids) == 3 and pool.health().details["router"] is not None
+        pool.sync_weights(buckets(model), version=0)
         groups = {g.prompt_id: g for g in pool.generate(requests_for(0, prompts=6), SAMPLING)}
         assert sorted(groups) == list(range(6)) and {g.version for g in groups.values()} == {0}
         request = requests_for(0)[0]

@@ -1,4 +1,4 @@
-"""Shared-prompt packing and attention (DESIGN.md §3), checked against INDEPENDENT references.
+"""Shared-prompt packing and attention, checked against INDEPENDENT references.
 
 - The layout (positions, labels, masks, varlen/bucket indices) is compared with one rebuilt here by brute
   force from the rule: a prompt token sees the earlier tokens of its own prompt; a completion token sees

@@ -1,8 +1,8 @@
-from lit_parl.rollout.base import RewardFunction, RolloutPool
+from lit_parl.rollout.base import PoolHealth, PoolSpec, RolloutPool
 from lit_parl.rollout.hf import HFRolloutPool
 from lit_parl.rollout.sglang import SGLangRolloutPool
 
-__all__ = ["HFRolloutPool", "RewardFunction", "RolloutPool", "SGLangRolloutPool", "VLLMRolloutPool"]
+__all__ = ["HFRolloutPool", "PoolHealth", "PoolSpec", "RolloutPool", "SGLangRolloutPool", "VLLMRolloutPool"]
 
 
 def __getattr__(name: str):

@@ -1,96 +1,101 @@
 """The embedded rollout pool: spawned worker processes sampling with a transformers model.
 
-Weights travel through shared memory: the trainer copies the policy into shared tensors, each worker
-copies them into its own model and confirms the version. The iteration's requests go out at once, in
-chunks of ``prompts_per_request`` prompts spread round-robin over the workers. A worker emits each
-group as soon as it is finished and goes straight on with its next chunk while the trainer trains.
-Workers score their groups, so scoring overlaps training too.
+Each worker builds the policy's architecture from ``PoolSpec.model_dir``'s config (no weights are read
+there: the first sync brings them). Weights travel through shared memory: the pool copies each bucket
+into shared tensors as it arrives, each worker copies them into its own model and confirms the version.
+The iteration's requests go out at once, in chunks of ``prompts_per_request`` prompts spread
+round-robin over the workers. A worker emits each group as soon as it is finished and goes straight on
+with its next chunk while the trainer trains.
 
 Example::
 
+    >>> import shutil, tempfile
     >>> from lit_parl.model import tiny_qwen2
-    >>> from lit_parl.tasks import CopyTask
+    >>> from lit_parl.rollout import PoolSpec
     >>> from lit_parl.trajectory import GroupRequest, SamplingParams
     >>> model, tok = tiny_qwen2()
+    >>> model_dir = tempfile.mkdtemp()
+    >>> model.save_pretrained(model_dir); _ = tok.save_pretrained(model_dir)
     >>> pool = HFRolloutPool(num_workers=1)
-    >>> pool.start(model, CopyTask(), eos_id=tok.eos_token_id, pad_id=tok.pad_token_id, colocated=False)
-    >>> pool.sync_weights(model.named_parameters(), version=0)
+    >>> pool.start(PoolSpec(model_dir, eos_id=tok.eos_token_id, pad_id=tok.pad_token_id))
+    >>> pool.sync_weights([list(model.named_parameters())], version=0)  # one bucket: the whole model
     >>> request = GroupRequest(prompt_id=0, prompt_ids=(4, 5, 41), answer_ids=(4, 5), version=0, seeds=(1, 2))
-    >>> [g.prompt_id for g in pool.generate([request], SamplingParams(max_new_tokens=4))]
-    [0]
-    >>> pool.close()
+    >>> [(g.prompt_id, g.version, len(g.completions)) for g in pool.generate([request], SamplingParams(max_new_tokens=4))]
+    [(0, 0, 2)]
+    >>> pool.close(); shutil.rmtree(model_dir)
 """
 
 from __future__ import annotations
 
-import os
-import signal
-import time
-import traceback
-import weakref
+import functools
 from collections.abc import Iterator
 
 import torch
-from transformers import AutoModelForCausalLM, PreTrainedModel
+from transformers import AutoConfig, AutoModelForCausalLM
 
-from lit_parl.rollout.base import RewardFunction
+from lit_parl.rollout.base import PoolSpec
 from lit_parl.rollout.sampling import sample_groups
-from lit_parl.rollout.workers import SpawnedWorkerPool, die_with_parent, inbox_messages, stop_processes
-from lit_parl.trajectory import Group, GroupRequest, SamplingParams
+from lit_parl.rollout.workers import SpawnedWorkerPool
+from lit_parl.trajectory import GroupCompletions, GroupRequest, SamplingParams
 
 
-def _worker_main(worker_id, config, reward_fn, eos_id, pad_id, threads, inbox, results, parent_pid) -> None:
-    die_with_parent()
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C goes to the trainer, which closes the pool
-    try:
+class HFEngine:
+    """A transformers model inside one ``hf`` worker (built there, see ``lit_parl.rollout.workers.serve``).
+
+    Args:
+        model_dir: the directory whose ``config.json`` gives the architecture; its weights are not read.
+        eos_id: the end token (kept in completions).
+        pad_id: the token left-padding a batch of prompts.
+        threads: CPU threads this worker's torch uses.
+    """
+
+    def __init__(self, model_dir: str, eos_id: int, pad_id: int, threads: int) -> None:
         torch.set_num_threads(threads)
-        model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").eval()
-        shared: dict[str, torch.Tensor] = {}
-        version = None
-        results.put(("ready", worker_id, os.getpid()))
-        for message in inbox_messages(inbox, parent_pid):
-            kind = message[0]
-            if kind == "attach":
-                shared = message[1]
-            elif kind == "sync":
-                with torch.no_grad():
-                    for name, parameter in model.named_parameters():
-                        parameter.copy_(shared[name])
-                version = message[1]
-                results.put(("synced", worker_id, version))
-            elif kind == "generate":
-                requests, sampling = message[1], message[2]
-                stale = sorted({r.version for r in requests if r.version != version})
-                if stale:
-                    raise RuntimeError(f"worker {worker_id} holds policy version {version} but got requests for {stale}")
-                start = time.monotonic()
-                for sampled in sample_groups(model, requests, sampling, eos_id, pad_id):
-                    r = sampled.request
-                    rewards = [reward_fn.reward(list(r.answer_ids), c, eos_id) for c in sampled.completions]
-                    group = Group(
-                        prompt_id=r.prompt_id,
-                        version=version,  # the version this worker held, not the one it was asked for
-                        sample_indices=list(range(r.group_size)),
-                        completions=sampled.completions,
-                        logprobs=sampled.logprobs,
-                        rewards=rewards,
-                        finish_reasons=sampled.finish_reasons,
-                    )
-                    results.put(("group", worker_id, group))
-                results.put(("done", worker_id, start, time.monotonic()))
-    except BaseException:  # noqa: BLE001 - report everything to the trainer, then exit
-        results.put(("error", worker_id, traceback.format_exc()))
+        config = AutoConfig.from_pretrained(model_dir)
+        self.model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").eval()
+        self.eos_id, self.pad_id = eos_id, pad_id
+
+    def load(self, shared: dict[str, torch.Tensor], version: int) -> None:
+        parameters = dict(self.model.named_parameters())
+        if set(parameters) != set(shared):
+            missing, extra = sorted(set(parameters) - set(shared)), sorted(set(shared) - set(parameters))
+            raise ValueError(f"version {version}'s tensors do not fit the model: missing {missing[:5]}, unknown {extra[:5]}")
+        with torch.no_grad():
+            for name, parameter in parameters.items():
+                parameter.copy_(shared[name])
+
+    def sample(self, requests: list[GroupRequest], sampling: SamplingParams, version: int) -> Iterator[GroupCompletions]:
+        for sampled in sample_groups(self.model, requests, sampling, self.eos_id, self.pad_id):
+            r = sampled.request
+            yield GroupCompletions(
+                prompt_id=r.prompt_id,
+                version=version,  # the version this worker holds, not the one it was asked for
+                sample_indices=list(range(r.group_size)),
+                completions=sampled.completions,
+                logprobs=sampled.logprobs,
+                finish_reasons=sampled.finish_reasons,
+            )
 
 
 class HFRolloutPool(SpawnedWorkerPool):
     """Workers that each hold a transformers model and sample chunks of ``prompts_per_request`` prompts.
 
-    Owns the model's construction in the workers and how the requests are split; the processes, the
-    weights and the messages are ``SpawnedWorkerPool``'s.
+    Owns how the engine is built and how requests are split; the processes, the weights and the messages
+    are ``SpawnedWorkerPool``'s.
+
+    Args:
+        num_workers: worker processes.
+        threads_per_worker: CPU threads of each worker while the trainer runs beside it.
+        prompts_per_request: prompts per generation batch; groups stream back chunk by chunk.
+        colocated_threads: CPU threads of each worker when generation and training take turns;
+            ``None``: all cores divided between the workers.
+        start_timeout_s: how long the workers may take to build their models.
+        response_timeout_s: how long the pool waits for any answer of a worker.
     """
 
     backend = "hf"
     worker_label = "rollout worker"
+    process_name = "lit_parl-rollout"
 
     def __init__(
         self,
@@ -103,22 +108,13 @@ class HFRolloutPool(SpawnedWorkerPool):
     ) -> None:
         super().__init__(num_workers, threads_per_worker, colocated_threads, start_timeout_s, response_timeout_s)
         if prompts_per_request < 1:
-            raise ValueError(f"rollout.pool.prompts_per_request must be >= 1, got {prompts_per_request}")
+            raise ValueError(f"HFRolloutPool(prompts_per_request={prompts_per_request}): at least one prompt per request")
         self.prompts_per_request = prompts_per_request
 
-    def start(self, policy: PreTrainedModel, reward_fn: RewardFunction, eos_id: int, pad_id: int, colocated: bool) -> None:
-        self._open_queues()
-        # close the workers even if the owner forgets to (garbage collection or interpreter exit)
-        self._finalizer = weakref.finalize(self, stop_processes, self._processes, self._inboxes)
-        threads = self._worker_threads(colocated)
-        self._spawn(_worker_main, (policy.config, reward_fn, eos_id, pad_id, threads), name="lit_parl-rollout", daemon=True)
+    def _engine(self, spec: PoolSpec, threads: int):
+        return functools.partial(HFEngine, str(spec.model_dir), spec.eos_id, spec.pad_id, threads)
 
-    def generate(self, requests: list[GroupRequest], sampling: SamplingParams) -> Iterator[Group]:
-        self._require_started()
-        self.check_requests(requests)
-        chunks = [requests[i : i + self.prompts_per_request] for i in range(0, len(requests), self.prompts_per_request)]
-        # Hand every chunk out now, round-robin: a worker must not wait for the trainer to ask for the next
-        # group (the caller trains between two groups, and the workers keep generating meanwhile).
-        for i, chunk in enumerate(chunks):
-            self._inboxes[i % self.num_workers].put(("generate", chunk, sampling))
-        yield from self._collect(requests, busy=len(chunks))
+    def _assign(self, requests: list[GroupRequest]) -> list[tuple[int, list[GroupRequest]]]:
+        size = self.prompts_per_request
+        chunks = [requests[i : i + size] for i in range(0, len(requests), size)]
+        return [(i % self.num_workers, chunk) for i, chunk in enumerate(chunks)]

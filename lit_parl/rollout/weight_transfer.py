@@ -8,7 +8,7 @@
   servers' ranks, for ``/update_weights_from_distributed``. It is built like SGLang builds its side
   (TCP rendezvous, a store prefixed by the group name, a fresh process group), without touching the
   trainer's default group, which Lightning owns.
-- ``save_for_disk_update``: a safetensors checkpoint for ``/update_weights_from_disk``.
+- ``save_shard``: one shard of a safetensors checkpoint for ``/update_weights_from_disk``.
 """
 
 from __future__ import annotations
@@ -16,7 +16,6 @@ from __future__ import annotations
 import base64
 import inspect
 import io
-import shutil
 from collections.abc import Iterable
 from datetime import timedelta
 from pathlib import Path
@@ -74,14 +73,12 @@ def broadcast_from_trainer(group: torch.distributed.ProcessGroup, tensors: Itera
         torch.distributed.broadcast(tensor.contiguous(), src=0, group=group)
 
 
-def save_for_disk_update(named_tensors: list[tuple[str, torch.Tensor]], config_dir: str | Path, out_dir: str | Path) -> Path:
-    """Write ``model.safetensors`` (and the model's ``config.json``) into ``out_dir`` for a disk update."""
+def save_shard(named_tensors: Iterable[tuple[str, torch.Tensor]], out_dir: str | Path, file_name: str) -> dict[str, str]:
+    """Write ``named_tensors`` as ``out_dir/file_name`` (safetensors); return their entries of the weight map."""
     from safetensors.torch import save_file
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    save_file({name: t.detach().to("cpu").contiguous() for name, t in named_tensors}, str(out / "model.safetensors"))
-    config = Path(config_dir) / "config.json"
-    if config.exists():
-        shutil.copy(config, out / "config.json")
-    return out
+    tensors = {name: t.detach().to("cpu").contiguous() for name, t in named_tensors}
+    save_file(tensors, str(out / file_name))
+    return {name: file_name for name in tensors}

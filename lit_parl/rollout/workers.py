@@ -1,43 +1,72 @@
-"""What the ``hf`` and ``vllm`` pools share: spawned worker processes driven through queues.
+"""What the ``hf`` and ``vllm`` pools share: spawned worker processes, their messages, and their loop.
 
-Each worker has an inbox and answers on one results queue shared by all workers. Inbox messages:
-``("attach", shared_tensors)``, ``("sync", version)``, ``("generate", requests, sampling)``, ``("stop",)``.
-Results: ``("ready", worker_id, pid)``, ``("synced", worker_id, version)``, ``("group", worker_id, group)``,
-``("done", worker_id, start, end)`` after each piece of work handed out, and ``("error", worker_id,
-traceback)`` before a worker exits on an exception.
+Each worker runs ``serve`` around an engine of its backend (a small object with ``load`` and
+``sample``, see ``WorkerEngine``); the loop, the messages and the checks are the same for every backend.
+Each worker has an inbox and answers on one results queue shared by all workers.
+
+Inbox messages: ``("attach", shared_tensors)``, ``("sync", version)``, ``("generate", call, requests,
+sampling)``, ``("stop",)``. Results: ``("ready", worker_id, pid)``, ``("synced", worker_id, version)``,
+``("group", worker_id, call, group)``, ``("done", worker_id, call, start, end)`` after each piece of work
+handed out, and ``("error", worker_id, traceback)`` before a worker exits on an exception. ``call``
+numbers the pool's ``generate`` calls: what a worker still sends for a call whose consumer stopped early
+is dropped, not taken for the next call's.
 """
 
 from __future__ import annotations
 
-import ctypes
 import os
 import queue
+import re
 import signal
+import sys
 import time
-from collections.abc import Iterable, Iterator
+import traceback
+import weakref
+from abc import abstractmethod
+from collections.abc import Callable, Iterable, Iterator
+from pathlib import Path
+from typing import ClassVar, Protocol
 
 import torch
 import torch.multiprocessing as mp
 
-from lit_parl.rollout.base import RolloutPool
-from lit_parl.trajectory import Group, GroupRequest
+from lit_parl.rollout.base import PoolSpec, RolloutPool, WeightBucket
+from lit_parl.rollout.processes import die_with_parent, stop_workers
+from lit_parl.trajectory import GroupCompletions, GroupRequest, SamplingParams
 
 _SPAWN = mp.get_context("spawn")  # a forked worker would inherit the trainer's threads and locks
 
 
-class SpawnedWorkerPool(RolloutPool):
-    """``num_workers`` spawned processes of ``threads_per_worker`` CPU threads each.
+class WorkerEngine(Protocol):
+    """A backend's engine inside one worker process, built there by the factory the pool hands to ``serve``."""
 
-    Owns the processes and their queues once started, the policy's shared-memory copy, and the
-    trainer's side of the messages: waiting for the workers to be ready, syncing weights, collecting
-    groups, and reporting a dead, silent or failed worker. A subclass starts its workers (``_spawn``,
-    with its own worker function and a finalizer that stops them) and hands out requests in
-    ``generate``. Colocated (sync mode: generation and training take turns), each worker gets
-    ``colocated_threads``, by default all cores divided between the workers.
+    def load(self, shared: dict[str, torch.Tensor], version: int) -> None:
+        """Load the weights in ``shared`` (Hugging Face names, shared memory); return once they are in use."""
+
+    def sample(self, requests: list[GroupRequest], sampling: SamplingParams, version: int) -> Iterator[GroupCompletions]:
+        """Yield each request's completions, stamped ``version``, as soon as its samples are finished."""
+
+
+class SpawnedWorkerPool(RolloutPool):
+    """``num_workers`` spawned processes that each run ``serve`` around one engine.
+
+    Owns the processes and their queues, the policy's shared-memory copy, and the trainer's side of the
+    messages: waiting for the workers to be ready, syncing weights, collecting groups, and reporting a
+    dead, silent or failed worker. A subclass says how its engine is built (``_engine``) and how requests
+    are split between the workers (``_assign``).
+
+    Args:
+        num_workers: worker processes.
+        threads_per_worker: CPU threads of each worker while the trainer runs beside it.
+        colocated_threads: CPU threads of each worker when generation and training take turns
+            (``PoolSpec.colocated``); ``None``: all cores divided between the workers.
+        start_timeout_s: how long the workers may take to build their engines.
+        response_timeout_s: how long the pool waits for any answer of a worker before it gives up.
     """
 
-    backend: str  # set by each subclass: the name in health()
-    worker_label: str  # set by each subclass: how error messages name a worker
+    worker_label: ClassVar[str] = "worker"  # how error messages name a worker
+    process_name: ClassVar[str] = "lit_parl-worker"
+    daemon_workers: ClassVar[bool] = True
 
     def __init__(
         self,
@@ -47,90 +76,96 @@ class SpawnedWorkerPool(RolloutPool):
         start_timeout_s: float,
         response_timeout_s: float,
     ) -> None:
+        super().__init__()
+        name = type(self).__name__
         if num_workers < 1:
-            raise ValueError(f"rollout.pool.num_workers must be >= 1, got {num_workers}")
+            raise ValueError(f"{name}(num_workers={num_workers}): at least one worker is needed")
         if threads_per_worker < 1:
-            raise ValueError(f"rollout.pool.threads_per_worker must be >= 1, got {threads_per_worker}")
+            raise ValueError(f"{name}(threads_per_worker={threads_per_worker}): a worker needs at least one thread")
+        if colocated_threads is not None and colocated_threads < 1:
+            raise ValueError(f"{name}(colocated_threads={colocated_threads}): give at least one thread, or None for all cores")
         self.num_workers = num_workers
         self.threads_per_worker = threads_per_worker
-        self.colocated_threads = colocated_threads  # None: all cores split between the workers
+        self.colocated_threads = colocated_threads
         self.start_timeout_s = start_timeout_s
         self.response_timeout_s = response_timeout_s
-        self.version = None
-        self._processes: list[mp.Process] = []
+        self._processes: list = []
         self._inboxes: list = []
         self._results = None
         self._shared: dict[str, torch.Tensor] | None = None
-        self._intervals: list[tuple[float, float]] = []
+        self._done_intervals: list[tuple[float, float]] = []
+        self._call = 0
         self._finalizer = None
 
-    # -- lifecycle -------------------------------------------------------------------------------------
-    def _open_queues(self) -> None:
-        """Refuse a second start, then open the results queue and one inbox per worker."""
-        if self._processes:
-            raise RuntimeError(f"{type(self).__name__}.start called twice")
+    # -- what a subclass provides ----------------------------------------------------------------------
+    @abstractmethod
+    def _engine(self, spec: PoolSpec, threads: int) -> Callable[[], WorkerEngine]:
+        """A picklable factory that builds the engine inside a worker (``functools.partial`` of a class)."""
+
+    @abstractmethod
+    def _assign(self, requests: list[GroupRequest]) -> list[tuple[int, list[GroupRequest]]]:
+        """``(worker index, requests)`` pieces of work; each piece is one ``generate`` message."""
+
+    # -- RolloutPool -----------------------------------------------------------------------------------
+    def _start(self, spec: PoolSpec) -> None:
         self._results = _SPAWN.Queue()
         self._inboxes = [_SPAWN.Queue() for _ in range(self.num_workers)]
-
-    def _worker_threads(self, colocated: bool) -> int:
-        if colocated:
-            return self.colocated_threads or max(1, (os.cpu_count() or 1) // self.num_workers)
-        return self.threads_per_worker
-
-    def _spawn(self, target, args: tuple, name: str, daemon: bool) -> None:
-        """Run ``target(worker_id, *args, inbox, results, trainer_pid)`` in each worker; return once all are ready."""
+        self._processes = []
+        # stop the workers even if the owner forgets to close the pool (garbage collection, interpreter exit)
+        self._finalizer = weakref.finalize(self, stop_workers, self._processes, self._inboxes)
+        threads = self._worker_threads(spec.colocated)
+        make_engine = self._engine(spec, threads)
         for worker_id in range(self.num_workers):
             process = _SPAWN.Process(
-                target=target,
-                args=(worker_id, *args, self._inboxes[worker_id], self._results, os.getpid()),
-                name=f"{name}-{worker_id}",
-                daemon=daemon,
+                target=serve,
+                args=(worker_id, make_engine, self._inboxes[worker_id], self._results, os.getpid()),
+                name=f"{self.process_name}-{worker_id}",
+                daemon=self.daemon_workers,
             )
             process.start()
-            self._processes.append(process)  # the subclass's finalizer holds this same list
+            self._processes.append(process)  # the finalizer holds this same list
         ready = set()
         while len(ready) < self.num_workers:
-            kind, worker_id, *_ = self._receive(self.start_timeout_s, "starting")
+            try:
+                kind, worker_id, *_ = self._receive(self.start_timeout_s, "starting")
+            except RuntimeError as error:
+                script = _unguarded_main_script()
+                if script is None:
+                    raise
+                raise RuntimeError(
+                    f"{error}. The pool's workers are spawned processes, which import {script} again, and that script "
+                    'starts training at import time. Put its entry point under `if __name__ == "__main__":`.'
+                ) from error
             if kind != "ready":
                 raise RuntimeError(f"{self.worker_label} {worker_id} sent {kind!r} while starting")
             ready.add(worker_id)
 
-    def close(self) -> None:
-        if self._finalizer is not None:
-            self._finalizer()
-        # a restarted pool attaches fresh shared tensors to its new workers
-        self._processes, self._inboxes, self._shared, self.version = [], [], None, None
-
-    def health(self) -> dict:
-        return {
-            "backend": self.backend,
-            "workers": len(self._processes),
-            "alive": sum(p.is_alive() for p in self._processes),
-            "version": self.version,
-        }
-
-    def reserved_cpus(self, colocated: bool) -> int:
-        return 0 if colocated else self.num_workers * self.threads_per_worker
-
-    def pids(self) -> list[int]:
-        return [p.pid for p in self._processes]
-
-    # -- weights ---------------------------------------------------------------------------------------
-    def sync_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
-        self._require_started()
-        tensors = {name: t.detach() for name, t in named_tensors}
-        if self._shared is None:
-            self._shared = {name: t.to("cpu", copy=True).share_memory_() for name, t in tensors.items()}
+    def _sync_weights(self, buckets: Iterable[WeightBucket], version: int) -> None:
+        first = self._shared is None
+        shared = {} if first else self._shared
+        seen: set[str] = set()
+        with torch.no_grad():
+            for bucket in buckets:  # each bucket is copied as it arrives: the caller may free it right after
+                for name, tensor in bucket:
+                    if name in seen:
+                        raise ValueError(f"sync_weights got tensor {name!r} twice in one sync")
+                    seen.add(name)
+                    tensor = tensor.detach()
+                    if first:
+                        shared[name] = tensor.to("cpu", copy=True).share_memory_()
+                    elif name not in shared:
+                        raise ValueError(f"sync_weights got tensor {name!r}, which the first sync did not have")
+                    elif shared[name].shape != tensor.shape:
+                        raise ValueError(f"sync_weights got {name!r} of shape {tuple(tensor.shape)}, not {tuple(shared[name].shape)} as before")
+                    else:
+                        shared[name].copy_(tensor)
+        missing = set(shared) - seen
+        if missing:
+            raise ValueError(f"sync_weights lacks {len(missing)} tensor(s) the first sync had: {sorted(missing)[:5]}")
+        if first:
+            self._shared = shared  # kept only once complete: a failed first sync allocates afresh next time
             for inbox in self._inboxes:
-                inbox.put(("attach", self._shared))
-        else:
-            missing = set(self._shared) ^ set(tensors)
-            if missing:
-                raise ValueError(f"sync_weights got a different set of tensors than before: {sorted(missing)[:5]}")
-            with torch.no_grad():
-                for name, t in tensors.items():
-                    self._shared[name].copy_(t)
-        self.version = None  # nothing may be generated until every worker confirmed the new version
+                inbox.put(("attach", shared))
         for inbox in self._inboxes:
             inbox.put(("sync", version))
         confirmed = set()
@@ -139,46 +174,61 @@ class SpawnedWorkerPool(RolloutPool):
             if kind != "synced" or rest[0] != version:
                 raise RuntimeError(f"{self.worker_label} {worker_id} answered {kind!r} {rest} while syncing version {version}")
             confirmed.add(worker_id)
-        self.version = version
 
-    # -- generation ------------------------------------------------------------------------------------
-    def _collect(self, requests: list[GroupRequest], busy: int) -> Iterator[Group]:
-        """Yield the groups of ``requests`` as they arrive, after ``busy`` pieces of work were handed out."""
-        self._intervals = []
-        waiting = {r.prompt_id for r in requests}
-        while waiting:
-            kind, worker_id, *rest = self._receive(self.response_timeout_s, "generating")
+    def _generate(self, requests: list[GroupRequest], sampling: SamplingParams) -> Iterator[GroupCompletions]:
+        self._call += 1
+        call = self._call
+        pieces = self._assign(requests)
+        # Hand every piece out now: a worker must not wait for the trainer to ask for the next group (the
+        # caller trains between two groups, and the workers keep generating meanwhile).
+        for worker, piece in pieces:
+            self._inboxes[worker].put(("generate", call, piece, sampling))
+        self._done_intervals = []
+        waiting, busy = len(requests), len(pieces)
+        while waiting or busy:
+            kind, worker_id, *rest = self._receive(self.response_timeout_s, "generating", call)
             if kind == "group":
-                group = rest[0]
-                if group.prompt_id not in waiting:
-                    raise RuntimeError(f"{self.worker_label} {worker_id} returned prompt_id {group.prompt_id}, which was not requested or already returned")
-                waiting.discard(group.prompt_id)
-                yield group
+                waiting -= 1
+                yield rest[1]
             elif kind == "done":
-                self._intervals.append((rest[0], rest[1]))
+                self._done_intervals.append((rest[1], rest[2]))
                 busy -= 1
             else:
                 raise RuntimeError(f"{self.worker_label} {worker_id} sent unexpected {kind!r} while generating")
-        while busy:  # collect the last "done" so the next call starts clean
-            kind, worker_id, *rest = self._receive(self.response_timeout_s, "finishing")
-            if kind != "done":
-                raise RuntimeError(f"{self.worker_label} {worker_id} sent unexpected {kind!r} after its groups")
-            self._intervals.append((rest[0], rest[1]))
-            busy -= 1
 
-    def busy_intervals(self) -> list[tuple[float, float]]:
-        return list(self._intervals)
+    def _worker_counts(self) -> tuple[int, int]:
+        return len(self._processes), sum(p.is_alive() for p in self._processes)
+
+    def _details(self) -> dict:
+        return {"pids": self.pids()}
+
+    def _busy_intervals(self) -> list[tuple[float, float]]:
+        return list(self._done_intervals)
+
+    def _close(self) -> None:
+        if self._finalizer is not None:
+            self._finalizer()
+        # a restarted pool attaches fresh shared tensors to its new workers
+        self._processes, self._inboxes, self._shared, self._finalizer = [], [], None, None
+
+    def reserved_cpus(self, colocated: bool) -> int:
+        return 0 if colocated else self.num_workers * self.threads_per_worker
+
+    def pids(self) -> list[int]:
+        return [p.pid for p in self._processes]
 
     # -- internals -------------------------------------------------------------------------------------
-    def _require_started(self) -> None:
-        if not self._processes:
-            raise RuntimeError(f"{type(self).__name__} is not started (call start() first, or it was closed)")
+    def _worker_threads(self, colocated: bool) -> int:
+        if colocated:
+            return self.colocated_threads or max(1, (os.cpu_count() or 1) // self.num_workers)
+        return self.threads_per_worker
 
-    def _receive(self, timeout_s: float, doing: str) -> tuple:
-        deadline = time.monotonic() + timeout_s
+    def _receive(self, timeout_s: float, doing: str, call: int | None = None) -> tuple:
+        """The next message; groups and "done" of any generate call but ``call`` are dropped."""
+        results, deadline = self._results, time.monotonic() + timeout_s
         while True:
             try:
-                message = self._results.get(timeout=0.2)
+                message = results.get(timeout=0.2)
             except queue.Empty:
                 if not self._processes:  # closed from another thread (the trainer failed): stop waiting
                     raise RuntimeError(f"the pool was closed while {doing}") from None
@@ -190,16 +240,62 @@ class SpawnedWorkerPool(RolloutPool):
                 continue
             if message[0] == "error":
                 raise RuntimeError(f"{self.worker_label} {message[1]} failed while {doing}:\n{message[2]}")
+            if message[0] in ("group", "done") and message[2] != call:
+                continue  # left over from a generate call whose consumer stopped early
             return message
 
 
-# -- the worker side ---------------------------------------------------------------------------------------
-def die_with_parent() -> None:
-    """Ask Linux to SIGKILL this worker when its parent dies, however the parent dies."""
+def _unguarded_main_script() -> str | None:
+    """The path of the ``__main__`` script if it has no ``if __name__ == "__main__":`` guard, else None."""
+    path = getattr(sys.modules.get("__main__"), "__file__", None)
     try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG = 1
-    except OSError:
-        pass  # not Linux: the worker still exits when it sees its parent gone
+        source = Path(path).read_text() if path else None
+    except (OSError, UnicodeDecodeError):
+        return None
+    if source is None or re.search(r"""__name__\s*==\s*['"]__main__['"]|['"]__main__['"]\s*==\s*__name__""", source):
+        return None
+    return path
+
+
+# -- the worker side ---------------------------------------------------------------------------------------
+def serve(worker_id: int, make_engine: Callable[[], WorkerEngine], inbox, results, parent_pid: int) -> None:
+    """A worker's whole life: build the engine, then answer the inbox until told to stop or orphaned.
+
+    The loop holds the shared tensors and the version, and refuses requests for any version other than
+    the one it holds, whatever the pool checked before: a worker never generates with weights it was not
+    asked for.
+    """
+    die_with_parent()
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C goes to the trainer, which closes the pool
+    try:
+        engine = make_engine()
+        shared: dict[str, torch.Tensor] = {}
+        version = None
+        results.put(("ready", worker_id, os.getpid()))
+        for message in inbox_messages(inbox, parent_pid):
+            kind = message[0]
+            if kind == "attach":
+                shared = message[1]
+            elif kind == "sync":
+                version = None  # nothing is generated with half-loaded weights
+                engine.load(shared, message[1])
+                version = message[1]
+                results.put(("synced", worker_id, version))
+            elif kind == "generate":
+                call, requests, sampling = message[1:]
+                stale = sorted({r.version for r in requests if r.version != version})
+                if stale:
+                    raise RuntimeError(f"worker {worker_id} holds policy version {version} but got requests for {stale}")
+                start = time.monotonic()
+                for group in engine.sample(requests, sampling, version):
+                    if group.version != version:
+                        raise RuntimeError(f"worker {worker_id}'s engine stamped version {group.version} while holding {version}")
+                    results.put(("group", worker_id, call, group))
+                results.put(("done", worker_id, call, start, time.monotonic()))
+            else:
+                raise RuntimeError(f"worker {worker_id} got unknown message {kind!r}")
+    except BaseException:  # noqa: BLE001 - report everything to the trainer, then exit
+        results.put(("error", worker_id, traceback.format_exc()))
 
 
 def inbox_messages(inbox, parent_pid: int) -> Iterator[tuple]:
@@ -214,19 +310,3 @@ def inbox_messages(inbox, parent_pid: int) -> Iterator[tuple]:
         if message[0] == "stop":
             return
         yield message
-
-
-def stop_processes(processes: list, inboxes: list) -> None:
-    """Ask the workers to stop, give them 5 s together, then kill the ones left."""
-    for inbox in inboxes:
-        try:
-            inbox.put(("stop",))
-        except (OSError, ValueError):
-            pass
-    deadline = time.monotonic() + 5.0
-    for process in processes:
-        process.join(timeout=max(0.0, deadline - time.monotonic()))
-    for process in processes:
-        if process.is_alive():
-            process.kill()
-            process.join(timeout=5.0)

@@ -5,10 +5,12 @@
   shares the batch.
 * The engine's log-probs are the trainer's (``completion_logprobs`` at temperature T), stop tokens end a
   completion and stay in it; with top-k they are those of the filtered distribution that was sampled.
+  Groups come back unscored: the trainer scores them.
 * A weight sync really changes what is generated: log-probs follow the synced model exactly, also for long
   prompts whose KV the prefix cache holds; syncing the old weights back reproduces the old samples.
-* ``close`` leaves no process and no directory behind; a SIGKILLed trainer takes its workers with it.
-* Three iterations of the default job through the CLI with ``rollout=vllm``: versions 0, 1, 2, every
+* ``close`` leaves no process behind and the model directory it was given as it was; a SIGKILLed
+  trainer takes its workers with it.
+* Three iterations of the default job through the CLI with ``pool=vllm``: versions 0, 1, 2, every
   group stamped with its iteration's version, and a rollout/trainer log-prob mismatch near zero.
 
 The model is the project's tiny Qwen2 with hidden size 128 (head size 32, the smallest that vLLM's CPU
@@ -36,9 +38,9 @@ from lit_parl.kernels.packing import pack
 
 from lit_parl.cli import build
 from lit_parl.model import tiny_qwen2
-from lit_parl.rollout import VLLMRolloutPool
+from lit_parl.rollout import PoolHealth, PoolSpec, VLLMRolloutPool
 from lit_parl.tasks import CopyTask
-from lit_parl.trajectory import GroupRequest, SamplingParams, sample_seed
+from lit_parl.trajectory import GroupCompletions, GroupRequest, SamplingParams, sample_seed
 
 # Where vLLM does not import (the project's main environment), the whole module is skipped. This is not
 # a conftest.py: a second module named `conftest` would shadow tests/conftest.py for `from conftest import`.
@@ -62,6 +64,19 @@ MAX_NEW = 6
 def tiny(seed: int = 0):
     model, tokenizer = tiny_qwen2(seed=seed, **TINY)
     return model.eval(), tokenizer
+
+
+def save_spec(model, tokenizer, directory: Path) -> PoolSpec:
+    """What the datamodule hands a pool: the policy and its tokenizer saved as a model directory."""
+    model.save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
+    return PoolSpec(model_dir=str(directory), eos_id=tokenizer.eos_token_id, pad_id=tokenizer.pad_token_id)
+
+
+def buckets(model, size: int = 5) -> list[list[tuple[str, torch.Tensor]]]:
+    """The policy's parameters in buckets of ``size`` tensors, as WeightSync streams them."""
+    named = list(model.named_parameters())
+    return [named[i : i + size] for i in range(0, len(named), size)]
 
 
 def group_requests(tokenizer, version: int, prompts: range, group_size: int = 4, run_seed: int = 0) -> list[GroupRequest]:
@@ -102,15 +117,15 @@ def by_prompt(groups) -> dict:
 
 def sync(pool: VLLMRolloutPool, model) -> int:
     version = 0 if pool.version is None else pool.version + 1
-    pool.sync_weights(model.named_parameters(), version)
+    pool.sync_weights(buckets(model), version)
     return version
 
 
 @pytest.fixture(scope="module")
-def started():
+def started(tmp_path_factory):
     model, tokenizer = tiny()
     pool = VLLMRolloutPool(kv_cache_memory_bytes=KV_CACHE)
-    pool.start(model, CopyTask(), tokenizer.eos_token_id, tokenizer.pad_token_id, colocated=False)
+    pool.start(save_spec(model, tokenizer, tmp_path_factory.mktemp("spec") / "model"))
     yield pool, model, tokenizer
     pool.close()
 
@@ -138,7 +153,7 @@ def test_distinct_seeds_give_distinct_samples_and_a_seed_reproduces_its_sample(s
     sampling = SamplingParams(max_new_tokens=MAX_NEW)
     target = group_requests(tokenizer, version, range(7, 8), group_size=8)[0]
     a, b = target.seeds[:2]
-    repeated = GroupRequest(prompt_id=99, prompt_ids=target.prompt_ids, answer_ids=target.answer_ids, version=version, seeds=(a, b, a, b))
+    repeated = GroupRequest(prompt_id=99, prompt_ids=target.prompt_ids, answer_ids=target.answer_ids, version=version, seeds=(a, b) * 4)  # one group size per call
 
     alone = by_prompt(pool.generate([target, repeated], sampling))
     crowded = by_prompt(pool.generate([*group_requests(tokenizer, version, range(20, 26), group_size=8), target, repeated], sampling))
@@ -177,10 +192,8 @@ def test_logprobs_are_the_trainers_and_stop_tokens_end_completions(started, temp
             else:
                 assert reason == "length" and len(completion) == MAX_NEW and completion[-1] not in ends
     assert reasons == {"stop", "length"}, f"the sample should exercise both finish reasons, got {reasons}"
-    # the reward is the task's, computed in the worker on these completions
-    task, answers = CopyTask(), {r.prompt_id: r.answer_ids for r in requests}
-    for group in groups:
-        assert group.rewards == [task.reward(list(answers[group.prompt_id]), c, tokenizer.eos_token_id) for c in group.completions]
+    # the pool does not score: groups come back unscored, for the trainer's scorer
+    assert all(type(group) is GroupCompletions and not hasattr(group, "rewards") for group in groups)
 
 
 def test_with_top_k_the_logprobs_are_of_the_filtered_distribution(started):
@@ -282,13 +295,15 @@ def _wait_gone(processes: dict[int, int], timeout_s: float) -> set[int]:
     return alive
 
 
-def test_two_workers_share_the_requests_and_close_leaves_nothing_behind():
+def test_two_workers_share_the_requests_and_close_leaves_nothing_behind(tmp_path):
     model, tokenizer = tiny()
+    spec = save_spec(model, tokenizer, tmp_path / "model")
+    files = sorted(p.name for p in (tmp_path / "model").iterdir())
     before, started = _tree(os.getpid()), {}
     pool = VLLMRolloutPool(num_workers=2, kv_cache_memory_bytes=KV_CACHE)
     try:
-        pool.start(model, CopyTask(), tokenizer.eos_token_id, tokenizer.pad_token_id, colocated=False)
-        assert not os.path.exists(pool.model_dir), "the model directory outlived the engines' start"
+        pool.start(spec)
+        assert pool.health().alive == 2
         version = sync(pool, model)
         groups = list(pool.generate(group_requests(tokenizer, version, range(6)), SamplingParams(max_new_tokens=MAX_NEW)))
         assert sorted(g.prompt_id for g in groups) == list(range(6))
@@ -303,7 +318,8 @@ def test_two_workers_share_the_requests_and_close_leaves_nothing_behind():
     finally:
         pool.close()
     assert not _wait_gone(started, 10.0), f"processes left after close: {started}"
-    assert pool.health() == {"backend": "vllm", "workers": 0, "alive": 0, "version": None}
+    assert pool.health() == PoolHealth(backend="vllm", started=False, workers=0, alive=0, version=None)
+    assert sorted(p.name for p in (tmp_path / "model").iterdir()) == files, "the pool changed a model directory it does not own"
     pool.close()  # idempotent
 
 
@@ -312,14 +328,15 @@ def test_a_sigkilled_trainer_takes_its_vllm_worker_with_it(tmp_path):
     script.write_text(textwrap.dedent(f"""
         import time
         from lit_parl.model import tiny_qwen2
-        from lit_parl.rollout import VLLMRolloutPool
-        from lit_parl.tasks import CopyTask
+        from lit_parl.rollout import PoolSpec, VLLMRolloutPool
 
         if __name__ == "__main__":
             model, tokenizer = tiny_qwen2(**{TINY!r})
+            model.save_pretrained({str(tmp_path / "model")!r})
+            tokenizer.save_pretrained({str(tmp_path / "model")!r})
             pool = VLLMRolloutPool(kv_cache_memory_bytes={KV_CACHE})
-            pool.start(model, CopyTask(), tokenizer.eos_token_id, tokenizer.pad_token_id, colocated=False)
-            pool.sync_weights(model.named_parameters(), 0)
+            pool.start(PoolSpec({str(tmp_path / "model")!r}, tokenizer.eos_token_id, tokenizer.pad_token_id))
+            pool.sync_weights([list(model.named_parameters())], 0)
             print("ready", *pool.pids(), flush=True)
             time.sleep(600)
     """))
@@ -344,26 +361,27 @@ def test_a_sigkilled_trainer_takes_its_vllm_worker_with_it(tmp_path):
             proc.wait()
 
 
-def test_a_model_vllm_cannot_run_fails_at_start_and_leaves_nothing():
+def test_a_model_vllm_cannot_run_fails_at_start_and_leaves_nothing(tmp_path):
     model, tokenizer = tiny_qwen2()  # hidden 64 / 4 heads: head size 16, below what vLLM's CPU attention runs
+    spec = save_spec(model, tokenizer, tmp_path / "model")
     before, started = _tree(os.getpid()), {}
     pool = VLLMRolloutPool(kv_cache_memory_bytes=KV_CACHE)
     try:
         with pytest.raises(RuntimeError, match=r"head sizes \[.*\], but this model's is 16"):
-            pool.start(model, CopyTask(), tokenizer.eos_token_id, tokenizer.pad_token_id, colocated=False)
+            pool.start(spec)
         started = {p: c for p, c in _tree(os.getpid()).items() if p not in before}
     finally:
         pool.close()
     assert not _wait_gone(started, 10.0)
-    assert not os.path.exists(pool.model_dir)
+    assert pool.health().workers == 0 and not pool.pids()
 
 
 # -- training -----------------------------------------------------------------------------------------
 def test_three_iterations_of_the_default_job_through_the_cli_on_vllm(tmp_path):
     with initialize_config_module(config_module="lit_parl.conf", version_base="1.3"):
         cfg = compose(config_name="config", overrides=[
-            "rollout=vllm", "iterations=3", f"run_dir={tmp_path}", "checkpoint_every=0", "trainer.max_time=00:00:10:00",
-            "rollout.prompts_per_iteration=8", "rollout.micro_batch_size=16", f"rollout.pool.kv_cache_memory_bytes={KV_CACHE}",
+            "pool=vllm", "iterations=3", f"run_dir={tmp_path}", "checkpoint_every=0", "trainer.max_time=00:00:10:00",
+            "shape.prompts=8", "shape.micro_batch_size=16", f"pool.kv_cache_memory_bytes={KV_CACHE}",
         ])
     module, datamodule, trainer = build(cfg)
     assert isinstance(datamodule.pool, VLLMRolloutPool)

@@ -1,0 +1,223 @@
+"""What the callbacks of ``lit_parl.callbacks`` need from the Trainer's module, datamodule and callbacks.
+
+Each callback states its needs as the ``typing.Protocol`` classes below and checks them once, when fit
+starts, so that a project missing a piece fails there with a message naming the attribute, the class
+that lacks it and how to provide it, instead of training while a callback silently records nothing.
+Any LightningModule / LightningDataModule satisfies them by having the attributes: nothing here has to
+be subclassed, and nothing here imports the rest of lit_parl.
+
+============================  ==================================  =========================================
+callback                      needs                               from
+============================  ==================================  =========================================
+``WeightSync``                ``WeightReceiver``                  its ``pool`` argument, or the datamodule's
+                                                                  ``pool`` (``HasRolloutPool``)
+\                             ``HasPolicy`` (unless               the LightningModule
+                              ``policy_tensors`` is overridden)
+\                             ``IterationGate`` (optional)        the datamodule
+``RunSummary``                ``IterationHistory``                the datamodule
+\                             ``TrainIntervals``                  the LightningModule
+``PipelineTimeline``          ``IterationHistory``                the datamodule
+\                             ``TrainIntervals``                  the LightningModule
+\                             ``SyncTimes`` (optional)            one other callback (``WeightSync``)
+``HFExport``                  ``HasPolicy``, and the policy a     the LightningModule
+                              ``SavesPretrained``
+============================  ==================================  =========================================
+
+The protocols are ``runtime_checkable``, but the callbacks check them with ``contract_problems``: it
+reads attributes with ``getattr``, so a submodule a ``torch.nn.Module`` keeps in ``_modules`` counts (from
+Python 3.12 ``isinstance`` looks attributes up statically and would miss it), and it checks the declared
+types of attributes (``policy`` a ``torch.nn.Module``, ``history`` a sequence, ...), not just their names.
+
+Example::
+
+    >>> import torch
+    >>> class Module:
+    ...     policy = torch.nn.Linear(2, 2)
+    >>> contract_problems(Module(), HasPolicy)
+    []
+    >>> class Pool:
+    ...     sync_weights = None
+    >>> class DataModule:
+    ...     pool = Pool()
+    >>> contract_problems(DataModule(), HasRolloutPool)
+    ['has `pool.sync_weights` that is not callable']
+    >>> require(object(), HasPolicy, owner="HFExport", role="the LightningModule", fix="Set `self.policy`.")
+    Traceback (most recent call last):
+    ...
+    TypeError: HFExport needs the LightningModule to satisfy lit_parl.callbacks.HasPolicy, but object has no `policy`. Set `self.policy`.
+"""
+
+from __future__ import annotations
+
+import inspect
+import numbers
+import typing
+from collections.abc import Iterable, Sequence
+from typing import Any, Protocol, runtime_checkable
+
+import torch
+
+__all__ = [
+    "HasPolicy",
+    "HasRolloutPool",
+    "IterationGate",
+    "IterationHistory",
+    "IterationRecord",
+    "SavesPretrained",
+    "SyncTimes",
+    "TrainIntervals",
+    "WeightReceiver",
+    "contract_problems",
+    "require",
+]
+
+WeightBucket = Sequence[tuple[str, torch.Tensor]]
+Interval = tuple[float, float]  # (start, end), time.monotonic() seconds
+
+
+@runtime_checkable
+class WeightReceiver(Protocol):
+    """Takes the policy's weights: a rollout pool (``lit_parl.rollout.RolloutPool``), a parameter server, ...
+
+    ``buckets`` is an iterable of buckets, each a sequence of ``(name, tensor)``; together they name every
+    parameter once. It may be a generator that gathers each bucket only when asked for it, so consume it
+    once, in order, and copy what must outlive the call. Return once ``version`` is loaded everywhere.
+    """
+
+    def sync_weights(self, buckets: Iterable[WeightBucket], version: int) -> None: ...
+
+
+@runtime_checkable
+class IterationGate(Protocol):
+    """Holds back an iteration's data until its weights are in place (``lit_parl.RolloutDataModule`` does)."""
+
+    def open_iteration(self, version: int) -> None: ...
+
+
+@runtime_checkable
+class HasRolloutPool(Protocol):
+    """A datamodule that owns the pool it generates with."""
+
+    pool: WeightReceiver
+
+
+@runtime_checkable
+class HasPolicy(Protocol):
+    """A LightningModule whose trained model is the ``policy`` submodule."""
+
+    policy: torch.nn.Module
+
+
+@runtime_checkable
+class SavesPretrained(Protocol):
+    """A Hugging Face ``PreTrainedModel`` (or anything that saves itself the same way)."""
+
+    def save_pretrained(self, save_directory: Any, **kwargs: Any) -> Any: ...
+
+
+@runtime_checkable
+class IterationRecord(Protocol):
+    """One iteration's rollout side, as ``lit_parl.data.stats.IterationStats`` records it."""
+
+    version: int
+    requested_at: float  # monotonic time of the iteration's first request
+    completed_at: float  # monotonic time of its last micro-batch
+    completions: int
+    completion_tokens: int
+    reward_sum: float
+    prompts_drawn: int
+    dropped_groups: int
+    gen_intervals: Sequence[Interval]  # when the pool was generating
+
+    @property
+    def reward_mean(self) -> float: ...
+
+    @property
+    def gen_busy_s(self) -> float: ...
+
+
+@runtime_checkable
+class IterationHistory(Protocol):
+    """A datamodule that appends one ``IterationRecord`` per iteration before the iteration's epoch ends."""
+
+    history: Sequence[IterationRecord]
+
+
+@runtime_checkable
+class TrainIntervals(Protocol):
+    """A LightningModule that times its training steps of the current iteration (reset at each epoch start)."""
+
+    train_intervals: Sequence[Interval]
+
+
+@runtime_checkable
+class SyncTimes(Protocol):
+    """A callback that times each weight sync, one interval per iteration (``WeightSync``)."""
+
+    sync_intervals: Sequence[Interval]
+
+
+def _members(protocol: type) -> dict[str, bool]:
+    """The protocol's attribute names, each mapped to whether it is a method (to call) or data (to read)."""
+    members: dict[str, bool] = {}
+    for base in reversed(protocol.__mro__):
+        if base in (Protocol, typing.Generic, object) or not getattr(base, "_is_protocol", False):
+            continue
+        for name in getattr(base, "__annotations__", {}):
+            members[name] = False
+        for name, value in vars(base).items():
+            if not name.startswith("_"):
+                members[name] = inspect.isfunction(value)
+    return members
+
+
+# numbers are duck-typed: a float field may hold 0 or a numpy float, an int field a numpy int
+_NUMBERS = {int: numbers.Integral, float: numbers.Real}
+
+
+def contract_problems(obj: Any, protocol: type) -> list[str]:
+    """What keeps ``obj`` from satisfying ``protocol``, as phrases about it; ``[]`` if nothing does.
+
+    Data members annotated with a class (``torch.nn.Module``, ``Sequence[...]``) are checked with
+    ``isinstance``; members annotated with another protocol are checked against it, recursively.
+    """
+    missing, wrong = _check(obj, protocol, prefix="")
+    return ([f"has no {', '.join(missing)}"] if missing else []) + wrong
+
+
+def _check(obj: Any, protocol: type, prefix: str) -> tuple[list[str], list[str]]:
+    missing, wrong = [], []
+    hints = typing.get_type_hints(protocol)
+    for name, is_method in _members(protocol).items():
+        try:
+            value = getattr(obj, name)
+        except AttributeError:
+            missing.append(f"`{prefix}{name}`")
+            continue
+        except Exception as error:  # a property that fails on this object's data
+            wrong.append(f"has `{prefix}{name}` that raised {type(error).__name__}: {error}")
+            continue
+        if is_method:
+            if not callable(value):
+                wrong.append(f"has `{prefix}{name}` that is not callable")
+            continue
+        expected = typing.get_origin(hints.get(name)) or hints.get(name)
+        expected = _NUMBERS.get(expected, expected)
+        if getattr(expected, "_is_protocol", False):
+            inner_missing, inner_wrong = _check(value, expected, prefix=f"{prefix}{name}.")
+            missing += inner_missing
+            wrong += inner_wrong
+        elif isinstance(expected, type) and not isinstance(value, expected):
+            wrong.append(f"has `{prefix}{name}` of type {type(value).__name__}, not {expected.__name__}")
+    return missing, wrong
+
+
+def require(obj: Any, protocol: type, *, owner: str, role: str, fix: str) -> None:
+    """Raise a ``TypeError`` unless ``obj`` (``role``, e.g. "the datamodule") satisfies ``protocol``.
+
+    The message names the callback (``owner``), the protocol, the class and every problem, then ``fix``.
+    """
+    problems = contract_problems(obj, protocol) if obj is not None else []
+    if obj is None or problems:
+        subject = "there is none" if obj is None else f"{type(obj).__name__} {' and '.join(problems)}"
+        raise TypeError(f"{owner} needs {role} to satisfy lit_parl.callbacks.{protocol.__name__}, but {subject}. {fix}")

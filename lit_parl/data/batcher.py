@@ -1,0 +1,126 @@
+"""IterationBatcher: one iteration's groups in, its micro-batches out, each marked where a step falls.
+
+The iteration's N prompt slots are split into ``shape.mini_batches`` fixed blocks by schedule position,
+so a mini-batch's content does not depend on arrival order; a mini-batch's micro-batches leave as soon
+as its groups are in, and the last micro-batch of each mini-batch carries ``ends_step=True``. With
+dynamic sampling, a zero-variance group's slot is refilled by a new prompt in the next round (slots
+refilled in schedule order, so the result is order-independent too). Passes after the first replay the
+same micro-batches. Every exchange with the pool ends before the last micro-batch of pass 0 leaves.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterator
+
+import torch
+
+from lit_parl.data.acceptor import GroupAcceptor
+from lit_parl.data.schedule import PromptSchedule
+from lit_parl.data.scoring import GroupScorer
+from lit_parl.data.shape import IterationShape
+from lit_parl.data.stats import IterationStats
+from lit_parl.rollout.base import RolloutPool
+from lit_parl.trajectory import MicroBatch, Packing, SamplingParams, Trajectory, collate
+
+
+@dataclasses.dataclass
+class IterationBatcher:
+    """Requests an iteration's groups, checks and scores them, and cuts them into micro-batches.
+
+    Args:
+        shape: the iteration's shape.
+        schedule: prompts, tokens and seeds.
+        pool: the rollout pool (generation only).
+        scorer: rewards, in their own executor.
+        acceptor: checks and advantages.
+        sampling: sampling parameters for every request.
+        packing: the micro-batch layout.
+        pad_id: the padding token.
+        materialize: wait for every group of a round before the first micro-batch (the synchronous baseline).
+        dynamic_sampling: drop zero-variance groups and refill their slots (DAPO).
+        max_sampling_rounds: rounds of refills before zero-variance groups are kept after all.
+    """
+
+    shape: IterationShape
+    schedule: PromptSchedule
+    pool: RolloutPool
+    scorer: GroupScorer
+    acceptor: GroupAcceptor
+    sampling: SamplingParams
+    packing: Packing
+    pad_id: int
+    materialize: bool = False
+    dynamic_sampling: bool = False
+    max_sampling_rounds: int = 8
+
+    def micro_batches(self, version: int, stats: IterationStats) -> Iterator[MicroBatch]:
+        shape, G = self.shape, self.shape.group_size
+        N, M, per_block = shape.prompts, shape.mini_batches, shape.prompts_per_step
+        slots: dict[int, list[Trajectory]] = {}  # slot -> accepted group's trajectories
+        dropped: list[tuple[int, list[Trajectory]]] = []  # (slot, group) with all-equal shaped rewards
+        ready: list[list[Trajectory]] = [[] for _ in range(M)]  # per mini-batch, in arrival order
+        emitted: list[MicroBatch] = []
+        block, offset = 0, 0
+
+        def drain() -> Iterator[MicroBatch]:
+            nonlocal block, offset
+            while block < M and len(ready[block]) >= shape.micro_batch_size:
+                chunk = ready[block][: shape.micro_batch_size]
+                del ready[block][: shape.micro_batch_size]
+                batch = collate(chunk, self.pad_id, offset, self.packing.mode, self.packing.min_gain, self.packing.max_row_tokens, G)
+                offset += len(chunk)
+                batch.ends_step = offset % shape.samples_per_step == 0
+                block += batch.ends_step
+                if shape.passes > 1:  # kept for the later passes' replay
+                    emitted.append(batch)
+                yield batch
+
+        open_slots = list(range(N))
+        for _ in range(self.max_sampling_rounds if self.dynamic_sampling else 1):
+            if not open_slots:
+                break
+            first = self.schedule.cursor + stats.prompts_drawn
+            slot_of = {first + i: slot for i, slot in enumerate(open_slots)}
+            stats.prompts_drawn += len(open_slots)
+            requests = self.schedule.requests(list(slot_of), version)
+            groups = self.scorer.stream(self.pool.generate(list(requests.values()), self.sampling), requests)
+            if self.materialize:  # the colocated baseline: generate everything, then train
+                groups = iter(list(groups))
+            waiting = dict(requests)
+            while waiting:
+                group = next(groups, None)
+                if group is None:
+                    raise RuntimeError(
+                        f"iteration of version {version}: the pool stopped with prompts {sorted(waiting)[:10]} "
+                        f"({len(waiting)} in all) never returned: refusing to lose trajectories"
+                    )
+                slot = slot_of.get(group.prompt_id, -1)
+                trajectories = self.acceptor.accept(group, waiting, version)
+                stats.completions += G
+                stats.completion_tokens += sum(len(t.completion_ids) for t in trajectories)
+                stats.reward_sum += float(torch.tensor(group.rewards, dtype=torch.float32).sum())  # as summed since the first release
+                if not waiting:  # drain the stream now, so no exchange with the pool runs after the final yield
+                    for extra in groups:
+                        raise RuntimeError(f"the pool returned prompt_id {extra.prompt_id} after the round was complete")
+                if self.dynamic_sampling and trajectories[0].zero_variance:
+                    dropped.append((slot, trajectories))
+                    stats.dropped_groups += 1
+                    continue
+                slots[slot] = trajectories
+                ready[slot // per_block].extend(trajectories)
+                yield from drain()
+            open_slots = sorted(set(range(N)) - set(slots))
+        next_first = self.schedule.cursor + stats.prompts_drawn  # read now: the cursor moves at the last micro-batch
+        if open_slots:  # dynamic sampling ran out of rounds: refill with zero-variance groups (no gradient)
+            for (_, trajectories), slot in zip(sorted(dropped, key=lambda d: d[0]), open_slots):
+                slots[slot] = trajectories
+                ready[slot // per_block].extend(trajectories)
+            stats.dropped_groups -= len(open_slots)
+        yield from drain()
+        for pass_index in range(1, shape.passes):  # later passes: the same micro-batches, same steps
+            for batch in emitted:
+                yield dataclasses.replace(batch, pass_index=pass_index)
+        # Only a prefetch thread gets here (Lightning never resumes after the last micro-batch): tokenize the
+        # next iteration's prompts while the trainer finishes this one, off the next iteration's critical path.
+        self.schedule.tokenize_ahead(list(range(next_first, next_first + N)))

@@ -1,0 +1,120 @@
+"""GroupScorer: rewards for finished groups, computed in the trainer's process, in an executor of its own.
+
+The rollout pool only generates (``GroupCompletions``, unscored); scoring needs the task and the
+tokenizer, which live with the trainer. Scoring runs on a thread pool fed as groups arrive, so a slow
+reward never stalls generation (no event loop, no worker) nor the training step that consumes the
+previous group. Groups leave in the order their scores finish.
+
+Example::
+
+    >>> from lit_parl.tasks import CopyTask
+    >>> from lit_parl.trajectory import GroupCompletions, GroupRequest
+    >>> scorer = GroupScorer(CopyTask(), eos_id=1)
+    >>> request = GroupRequest(prompt_id=0, prompt_ids=(5, 6, 3), answer_ids=(5, 6), version=0, seeds=(1, 2))
+    >>> done = GroupCompletions(0, 0, [0, 1], [[5, 6, 1], [5, 1]], [[0.0] * 3, [0.0] * 2], ["stop", "stop"])
+    >>> [group.rewards for group in scorer.stream(iter([done]), {0: request})]
+    [[1.0, 0.3333333333333333]]
+    >>> scorer.close()
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from typing import Protocol, Sequence, runtime_checkable
+
+from lit_parl.trajectory import Group, GroupCompletions, GroupRequest
+
+
+@runtime_checkable
+class RewardFunction(Protocol):
+    """Scores one completion from token ids: ``answer_ids`` from the schedule, ``completion_ids`` as
+    sampled (the end token kept), ``eos_id`` the end token. Every task in ``lit_parl.tasks`` is one."""
+
+    def reward(self, answer_ids: Sequence[int], completion_ids: Sequence[int], eos_id: int) -> float: ...
+
+
+class GroupScorer:
+    """Scores streamed groups on ``workers`` threads.
+
+    Args:
+        reward_fn: a ``RewardFunction`` (a task).
+        eos_id: the end token the rewards look for.
+        workers: threads that score concurrently (rewards that release the GIL, or wait on a verifier,
+            gain from more than one).
+    """
+
+    def __init__(self, reward_fn: RewardFunction, eos_id: int, workers: int = 1) -> None:
+        if not isinstance(reward_fn, RewardFunction):
+            raise TypeError(f"GroupScorer(reward_fn={type(reward_fn).__name__}): needs a reward(answer_ids, completion_ids, eos_id) method")
+        if workers < 1:
+            raise ValueError(f"GroupScorer(workers={workers}) must be >= 1")
+        self.reward_fn = reward_fn
+        self.eos_id = eos_id
+        self.workers = workers
+        self._executor: ThreadPoolExecutor | None = None
+
+    def score(self, request: GroupRequest, completions: GroupCompletions) -> Group:
+        """One group's rewards, in the calling thread."""
+        answer = list(request.answer_ids)
+        return completions.scored([float(self.reward_fn.reward(answer, c, self.eos_id)) for c in completions.completions])
+
+    def stream(self, groups: Iterator[GroupCompletions], requests: dict[int, GroupRequest]) -> Iterator[Group]:
+        """Score ``groups`` as they arrive (the pool's stream, read by a thread of its own); yield scored groups.
+
+        A group for a prompt not in ``requests`` is handed through unscored-checked: the caller's
+        acceptor refuses it. Closing this generator stops reading the pool's stream.
+        """
+        if self._executor is None:
+            self._executor = ThreadPoolExecutor(self.workers, thread_name_prefix="lit_parl-score")
+        executor, finished, stop = self._executor, queue.SimpleQueue(), threading.Event()
+
+        def score(completions: GroupCompletions) -> None:
+            try:
+                request = requests.get(completions.prompt_id)
+                if request is None:  # not ours to score; the acceptor names the error
+                    finished.put(("group", completions.scored([float("nan")] * len(completions.completions))))
+                else:
+                    finished.put(("group", self.score(request, completions)))
+            except BaseException as error:  # noqa: BLE001 - re-raised in the consumer's thread
+                finished.put(("error", error))
+
+        def read_pool() -> None:
+            pending = []
+            try:
+                for completions in groups:
+                    if stop.is_set():
+                        return
+                    pending.append(executor.submit(score, completions))
+                for future in pending:
+                    future.result()  # each put its group (or error) before finishing
+                finished.put(("end", None))
+            except BaseException as error:  # noqa: BLE001 - re-raised in the consumer's thread
+                finished.put(("error", error))
+            finally:
+                groups.close() if hasattr(groups, "close") else None  # in this thread, the one running it
+
+        reader = threading.Thread(target=read_pool, name="lit_parl-pool-reader", daemon=True)
+        reader.start()
+        try:
+            while True:
+                try:
+                    kind, item = finished.get(timeout=1.0)
+                except queue.Empty:
+                    if not reader.is_alive() and finished.empty():
+                        raise RuntimeError("the pool reader thread ended without a word") from None
+                    continue
+                if kind == "error":
+                    raise item
+                if kind == "end":
+                    return
+                yield item
+        finally:
+            stop.set()
+
+    def close(self) -> None:
+        if self._executor is not None:
+            self._executor.shutdown(wait=False, cancel_futures=True)
+            self._executor = None

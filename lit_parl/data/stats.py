@@ -1,0 +1,38 @@
+"""IterationStats: what one iteration's rollouts were, for logging, the run summary and the timeline."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class IterationStats:
+    """The rollout side of one iteration, booked by the datamodule as its groups are accepted.
+
+    Args:
+        version: the policy version the iteration trained.
+        requested_at, completed_at: monotonic times of its first request and of its last micro-batch.
+        completions, completion_tokens: every accepted sample and its tokens, dropped groups included.
+        reward_sum: sum of those samples' rewards, before any shaping.
+        prompts_drawn: prompts scheduled (more than the iteration's N with dynamic sampling).
+        dropped_groups: zero-variance groups dropped by dynamic sampling.
+        gen_intervals: ``(start, end)`` monotonic times the pool was generating.
+    """
+
+    version: int = -1
+    requested_at: float = 0.0
+    completed_at: float = 0.0
+    completions: int = 0
+    completion_tokens: int = 0
+    reward_sum: float = 0.0
+    prompts_drawn: int = 0
+    dropped_groups: int = 0
+    gen_intervals: list[tuple[float, float]] = field(default_factory=list)
+
+    @property
+    def reward_mean(self) -> float:
+        return self.reward_sum / max(self.completions, 1)
+
+    @property
+    def gen_busy_s(self) -> float:
+        return sum(end - start for start, end in self.gen_intervals)

@@ -1,0 +1,83 @@
+"""Stopping what a rollout backend started: its processes, their descendants, nothing else.
+
+Every backend launches processes (spawned workers, inference servers); none may outlive the trainer,
+whether it closes the pool, fails, or is SIGKILLed. These helpers are the Linux side of that promise:
+``die_with_parent`` (the kernel kills a child whose parent died), the descendants of a process read from
+``/proc`` (an engine may start processes of its own, which are re-parented once it has gone), and
+``stop_workers``, which asks spawned workers to stop and kills what is left.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import time
+
+
+def die_with_parent() -> None:
+    """Ask Linux to SIGKILL this process when its parent dies, however the parent dies."""
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG = 1
+    except OSError:
+        pass  # not Linux: a spawned worker still exits when it sees its parent gone
+
+
+def process_table() -> dict[int, tuple[int, int]]:
+    """``pid -> (parent pid, start time)`` of every process, read from /proc (empty where there is none)."""
+    table = {}
+    try:
+        entries = os.listdir("/proc")
+    except OSError:
+        return table
+    for entry in entries:
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()  # fields[0] is proc(5)'s field 3, the state
+                table[int(entry)] = (int(fields[1]), int(fields[19]))
+            except (OSError, IndexError, ValueError):
+                continue
+    return table
+
+
+def descendants(pids: list[int]) -> dict[int, int]:
+    """``pid -> start time`` of the live descendants of ``pids``."""
+    table = process_table()
+    found, frontier = {}, set(pids)
+    while frontier:
+        children = {pid: start for pid, (parent, start) in table.items() if parent in frontier}
+        found.update(children)
+        frontier = set(children)
+    return found
+
+
+def kill_if_same(processes: dict[int, int]) -> None:
+    """SIGKILL each ``pid -> start time`` that is still that process (not a reused pid)."""
+    table = process_table()
+    for pid, start in processes.items():
+        if table.get(pid, (None, None))[1] == start:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+
+
+def stop_workers(processes: list, inboxes: list, grace_s: float = 5.0) -> None:
+    """Ask spawned workers to stop, give them ``grace_s`` together, kill the ones left and their descendants."""
+    # note the descendants first: they are re-parented (and lost from view) once their worker has gone
+    leftovers = descendants([p.pid for p in processes if p.pid is not None])
+    for inbox in inboxes:
+        try:
+            inbox.put(("stop",))
+        except (OSError, ValueError):
+            pass
+    deadline = time.monotonic() + grace_s
+    for process in processes:
+        if process.pid is not None:
+            process.join(timeout=max(0.0, deadline - time.monotonic()))
+    for process in processes:
+        if process.is_alive():
+            process.kill()
+            process.join(timeout=5.0)
+    kill_if_same(leftovers)

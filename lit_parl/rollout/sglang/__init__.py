@@ -1,0 +1,43 @@
+"""The SGLang rollout pool: SGLang servers generate, the trainer trains (DESIGN.md section 4).
+
+The pool launches ``python -m sglang.launch_server`` subprocesses (or attaches to running servers by URL)
+and talks to them through SGLang's native HTTP API. One job per module:
+
+- ``pool``: ``SGLangRolloutPool``, the rollout protocol from ``start`` to ``close``.
+- ``servers``: launching, attaching, health-checking and stopping servers and the router.
+- ``client``: the asyncio loop, the aiohttp session, and retries on another server.
+- ``weights``: the three ways of syncing weights (``tensor``, ``distributed``, ``disk``), each confirmed
+  by every server's ``/get_weight_version``.
+- ``messages``: the ``/generate`` request of one sample, and the checks on a group's answers.
+
+Generation: one ``POST /generate`` per sample, all of the iteration's samples in flight at once, each
+group handed to the trainer, unscored, the moment its G samples are finished, stamped with the
+``meta_info.weight_version`` the server reports (the trainer refuses any version but the iteration's).
+
+Failures: a request that fails (connection refused or reset, timeout, 5xx, an aborted sample) is sent
+again to another live server, at most ``max_retries`` times; a server that fails its health check is
+dropped. A group is handed over once, whatever the retries. With no live server left, or a malformed
+answer, ``generate`` raises with the server's URL; nothing is silently lost. ``router=True`` puts
+``sglang_router`` in front of the servers for generation. ``close()`` stops exactly what the pool
+launched (servers, router, their process groups) and leaves attached servers running.
+
+SGLang needs a GPU; on a CPU machine the tests run this pool against a stand-in server
+(``tests/sglang_standin.py``) that implements the same endpoints over a tiny transformers model.
+
+Example (on a GPU node with ``pip install lit-parl[sglang]``; ``model_dir`` holds the policy saved with
+``save_pretrained`` and its tokenizer)::
+
+    pool = SGLangRolloutPool(num_servers=2, tp_size=1, sync_method="tensor", mem_fraction_static=0.6)
+    pool.start(PoolSpec(model_dir, eos_id=tokenizer.eos_token_id, pad_id=tokenizer.pad_token_id))
+    pool.sync_weights([list(policy.named_parameters())], version=0)
+    for group in pool.generate(requests, SamplingParams(max_new_tokens=512)):
+        ...
+    pool.close()
+"""
+
+from lit_parl.rollout.sglang.client import ServerError
+from lit_parl.rollout.sglang.messages import MalformedResponse
+from lit_parl.rollout.sglang.pool import SGLangRolloutPool
+from lit_parl.rollout.sglang.weights import SYNC_METHODS
+
+__all__ = ["SYNC_METHODS", "MalformedResponse", "SGLangRolloutPool", "ServerError"]

@@ -1,0 +1,91 @@
+"""What goes to and comes back from SGLang's ``/generate``: one sample's request, a group's answers.
+
+A group's G samples are G requests, each with its own ``sampling_seed`` (one request with ``n=G``
+would give every sample the same seed), ``return_logprob`` for the sampled tokens' log-probs and
+``no_stop_trim`` so the stop token stays in the completion. The answers are checked against SGLang's
+documented response before anything of them reaches the trainer: an answer that does not fit raises
+``MalformedResponse`` naming the server.
+"""
+
+from __future__ import annotations
+
+from lit_parl.trajectory import GroupCompletions, GroupRequest, SamplingParams
+
+
+class MalformedResponse(RuntimeError):
+    """A server answered something that is not SGLang's documented response: not retried."""
+
+
+def sample_payload(request: GroupRequest, index: int, sampling: SamplingParams, eos_id: int) -> dict:
+    """The ``/generate`` body for sample ``index`` of ``request``."""
+    params = {
+        "temperature": sampling.temperature,
+        "top_p": sampling.top_p,
+        "top_k": sampling.top_k if sampling.top_k > 0 else -1,  # SGLang's "off" is -1
+        "max_new_tokens": sampling.max_new_tokens,
+        "stop_token_ids": sorted({eos_id, *sampling.stop_token_ids}),
+        "skip_special_tokens": False,
+        "no_stop_trim": True,  # keep the stop token: the trainer scores and trains on it
+        "sampling_seed": request.seeds[index],
+    }
+    return {"input_ids": list(request.prompt_ids), "sampling_params": params, "return_logprob": True}
+
+
+def abort_reason(answer) -> str | None:
+    """Why the server aborted this sample (it may succeed elsewhere), or ``None`` if it did not."""
+    meta = answer.get("meta_info") if isinstance(answer, dict) else None
+    reason = meta.get("finish_reason") if isinstance(meta, dict) else None
+    if isinstance(reason, dict) and reason.get("type") == "abort":
+        return str(reason.get("message", reason))
+    return None
+
+
+def parse_group(request: GroupRequest, answers: list, url: str, default_version: int | None) -> GroupCompletions:
+    """One group's completions from its G answers, stamped with the weight version the server reports.
+
+    ``default_version`` stamps the group when the server reports none (SGLang releases without weight
+    versions); the trainer refuses a group whose version is not the iteration's.
+    """
+    G = request.group_size
+    where = f"{url}/generate for prompt {request.prompt_id}"
+    if not isinstance(answers, list) or len(answers) != G:
+        got = f"a list of {len(answers)}" if isinstance(answers, list) else type(answers).__name__
+        raise MalformedResponse(f"{where}: expected a list of {G} outputs, got {got}")
+    completions, logprobs, reasons, versions = [], [], [], set()
+    for k, output in enumerate(answers):
+        meta = output.get("meta_info") if isinstance(output, dict) else None
+        entries = meta.get("output_token_logprobs") if isinstance(meta, dict) else None
+        reason = meta.get("finish_reason") if isinstance(meta, dict) else None
+        if not isinstance(entries, list) or not entries or not isinstance(reason, dict):
+            raise MalformedResponse(
+                f"{where} sample {k}: meta_info lacks output_token_logprobs or finish_reason "
+                f"(is return_logprob honoured?): {str(output)[:300]}"
+            )
+        if reason.get("type") not in ("stop", "length"):
+            raise MalformedResponse(f"{where} sample {k}: unknown finish_reason {reason}")
+        try:
+            tokens = [int(entry[1]) for entry in entries]  # entries are [logprob, token id, text]
+            values = [float(entry[0]) for entry in entries]
+        except (TypeError, ValueError, IndexError) as error:
+            raise MalformedResponse(f"{where} sample {k}: bad output_token_logprobs entry") from error
+        if "output_ids" in output and list(output["output_ids"]) != tokens:
+            raise MalformedResponse(f"{where} sample {k}: output_ids disagree with the log-prob tokens")
+        completions.append(tokens)
+        logprobs.append(values)
+        reasons.append(reason["type"])
+        versions.add(meta.get("weight_version", str(default_version)))
+    if len(versions) != 1:
+        raise MalformedResponse(f"{url}: the samples of prompt {request.prompt_id} report several weight versions {sorted(versions)}")
+    reported = versions.pop()
+    try:
+        version = int(reported)
+    except (TypeError, ValueError):
+        raise MalformedResponse(f"{url} reports weight_version {reported!r}, not one this pool set") from None
+    return GroupCompletions(
+        prompt_id=request.prompt_id,
+        version=version,  # what the server says it generated with; the trainer checks it
+        sample_indices=list(range(G)),
+        completions=completions,
+        logprobs=logprobs,
+        finish_reasons=reasons,
+    )

@@ -1,0 +1,248 @@
+"""``SGLangRolloutPool``: the rollout protocol over SGLang servers, from start to close.
+
+It checks its settings, launches or attaches the servers (``servers``), hands weight syncs to the
+``WeightUpdater`` (``weights``), and turns an iteration's requests into one ``/generate`` per sample on
+the client's loop (``client``, ``messages``), handing each group to the trainer's thread as soon as its
+samples are in.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import queue
+import sys
+import tempfile
+import weakref
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+
+from lit_parl.rollout.base import PoolSpec, RolloutPool, WeightBucket
+from lit_parl.rollout.sglang.client import HTTPClient, post_with_retries
+from lit_parl.rollout.sglang.messages import abort_reason, parse_group, sample_payload
+from lit_parl.rollout.sglang.servers import ServerFleet, router_command, server_command, stop_launched
+from lit_parl.rollout.sglang.weights import SYNC_METHODS, WeightUpdater
+from lit_parl.trajectory import GroupCompletions, GroupRequest, SamplingParams
+
+
+class SGLangRolloutPool(RolloutPool):
+    """SGLang servers as the rollout pool: launch ``num_servers`` servers (``urls=None``) or attach to ``urls``.
+
+    Args:
+        urls: running servers to attach to (never stopped by the pool); ``None``: launch servers.
+        model_path: what launched servers load (a local directory or hub name); ``None``: the
+            ``PoolSpec``'s model directory. The first sync brings the trainer's weights either way.
+        num_servers: servers to launch; server ``i`` listens on ``port + i``.
+        tp_size: tensor-parallel GPUs per server.
+        host, port: where launched servers listen.
+        mem_fraction_static: SGLang's ``--mem-fraction-static`` (lower it when the trainer shares the GPU).
+        server_args: more ``sglang.launch_server`` arguments.
+        gpu_ids: the GPUs to hand out, ``tp_size`` per server in order; ``None``: SGLang's default placement.
+        router: launch ``sglang_router`` in front of the servers; generation goes through it, weight
+            updates still go to every server, so each one's version is confirmed.
+        router_port, router_args: the router's port and more of its arguments.
+        sync_method: ``tensor``, ``distributed`` or ``disk`` (``lit_parl.rollout.sglang.weights``).
+        sync_dir: ``disk``: a directory every server can read; ``None``: the pool's work directory.
+        dist_master_address, dist_master_port, dist_backend, group_name: ``distributed``: the
+            weight-update group's rendezvous (the trainer's address as the servers reach it) and backend.
+        request_timeout_s: the timeout of one HTTP request.
+        max_retries: how often a failed ``/generate`` is sent again to another live server.
+        start_timeout_s: how long a launched server may take to answer ``/health``.
+        attach_timeout_s: the same for an attached server.
+        max_concurrent_requests: groups in flight at once.
+        launch_command: replaces ``[python, -m, sglang.launch_server]`` (the tests use a stand-in).
+    """
+
+    backend = "sglang"
+
+    def __init__(
+        self,
+        urls: list[str] | None = None,
+        model_path: str | None = None,
+        num_servers: int = 1,
+        tp_size: int = 1,
+        host: str = "127.0.0.1",
+        port: int = 30000,
+        mem_fraction_static: float | None = None,
+        server_args: list[str] | tuple[str, ...] = (),
+        gpu_ids: list[int] | None = None,
+        router: bool = False,
+        router_port: int = 30100,
+        router_args: list[str] | tuple[str, ...] = (),
+        sync_method: str = "tensor",
+        sync_dir: str | None = None,
+        dist_master_address: str = "127.0.0.1",
+        dist_master_port: int = 29650,
+        dist_backend: str = "nccl",
+        group_name: str = "lit_parl_weight_update",
+        request_timeout_s: float = 600.0,
+        max_retries: int = 3,
+        start_timeout_s: float = 900.0,
+        attach_timeout_s: float = 10.0,
+        max_concurrent_requests: int = 1024,
+        launch_command: list[str] | None = None,
+    ) -> None:
+        super().__init__()
+        if sync_method not in SYNC_METHODS:
+            raise ValueError(f"SGLangRolloutPool(sync_method={sync_method!r}): choose one of {SYNC_METHODS}")
+        if urls is not None and not urls:
+            raise ValueError("SGLangRolloutPool(urls=[]): give at least one server URL, or None to launch servers")
+        if urls is None and num_servers < 1:
+            raise ValueError(f"SGLangRolloutPool(num_servers={num_servers}): at least one server is needed")
+        if gpu_ids is not None and len(gpu_ids) < num_servers * tp_size:
+            raise ValueError(
+                f"SGLangRolloutPool(gpu_ids={list(gpu_ids)}): gpu_ids has {len(gpu_ids)} GPUs; "
+                f"{num_servers} servers x tp_size {tp_size} need {num_servers * tp_size}"
+            )
+        if max_retries < 0:
+            raise ValueError(f"SGLangRolloutPool(max_retries={max_retries}): must be >= 0")
+        self.urls = [u.rstrip("/") for u in urls] if urls else None
+        self.model_path = model_path
+        self.num_servers = len(urls) if urls else num_servers
+        self.tp_size = tp_size
+        self.host = host
+        self.port = port
+        self.mem_fraction_static = mem_fraction_static
+        self.server_args = list(server_args)
+        self.gpu_ids = list(gpu_ids) if gpu_ids is not None else None
+        self.router = router
+        self.router_port = router_port
+        self.router_args = list(router_args)
+        self.sync_method = sync_method
+        self.sync_dir = sync_dir
+        self.dist_master_address = dist_master_address
+        self.dist_master_port = dist_master_port
+        self.dist_backend = dist_backend
+        self.group_name = group_name
+        self.request_timeout_s = request_timeout_s
+        self.max_retries = max_retries
+        self.start_timeout_s = start_timeout_s
+        self.attach_timeout_s = attach_timeout_s
+        self.max_concurrent_requests = max_concurrent_requests
+        self.launch_command = list(launch_command) if launch_command else [sys.executable, "-m", "sglang.launch_server"]
+        self._fleet: ServerFleet | None = None
+        self._client: HTTPClient | None = None
+        self._weights: WeightUpdater | None = None
+        self._finalizer = None
+        self._eos_id: int | None = None
+
+    # -- RolloutPool -----------------------------------------------------------------------------------
+    def _start(self, spec: PoolSpec) -> None:
+        self._eos_id = spec.eos_id
+        workdir = tempfile.mkdtemp(prefix="lit_parl_sglang_")
+        self._fleet = fleet = ServerFleet(workdir)
+        # stop what was launched and remove the work dir even if the owner forgets to close the pool
+        self._finalizer = weakref.finalize(self, stop_launched, fleet.launched, workdir)
+        self._client = HTTPClient(self.request_timeout_s)
+        sync_dir = self.sync_dir or Path(workdir) / "sync"
+        self._weights = WeightUpdater(
+            self._client,
+            model_dir=spec.model_dir,
+            sync_dir=sync_dir,
+            tp_size=self.tp_size,
+            dist_master_address=self.dist_master_address,
+            dist_master_port=self.dist_master_port,
+            dist_backend=self.dist_backend,
+            group_name=self.group_name,
+        )
+        if self.urls is None:
+            model_path = str(self.model_path or spec.model_dir)
+            for index in range(self.num_servers):
+                port = self.port + index
+                command = server_command(
+                    self.launch_command, model_path, self.host, port, self.tp_size, self.mem_fraction_static, self.server_args
+                )
+                env = dict(os.environ)
+                if self.gpu_ids is not None:
+                    env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, self.gpu_ids[index * self.tp_size : (index + 1) * self.tp_size]))
+                fleet.launch_server(command, env, f"http://{self.host}:{port}", f"server_{index}.log")
+        else:
+            fleet.attach(self.urls)
+        for server in fleet.servers:
+            fleet.wait_healthy(self._client, server, self.start_timeout_s if server.process else self.attach_timeout_s)
+        if self.router:
+            command = router_command([s.url for s in fleet.servers], self.host, self.router_port, self.router_args)
+            fleet.wait_healthy(self._client, fleet.launch_router(command, f"http://{self.host}:{self.router_port}"), self.start_timeout_s)
+
+    def _sync_weights(self, buckets: Iterable[WeightBucket], version: int) -> None:
+        self._weights.sync(self.sync_method, self._fleet.live(), self._fleet.servers, buckets, version)
+
+    def _generate(self, requests: list[GroupRequest], sampling: SamplingParams) -> Iterator[GroupCompletions]:
+        for server in self._fleet.servers:
+            server.busy_from = server.busy_to = None
+        finished: queue.Queue = queue.Queue()
+        client = self._client
+        future = client.submit(self._generate_all(requests, sampling, finished))
+        try:
+            for received in range(len(requests)):
+                while True:
+                    try:
+                        item = finished.get(timeout=1.0)
+                        break
+                    except queue.Empty:
+                        if client.closed:  # closed from another thread (the trainer failed): stop waiting
+                            raise RuntimeError("the SGLang pool was closed while generating") from None
+                        if future.done() and finished.empty():  # the client loop ended without a word
+                            cause = None if future.cancelled() else future.exception()
+                            raise RuntimeError(f"the SGLang client stopped with {len(requests) - received} groups missing") from cause
+                if isinstance(item, BaseException):
+                    if client.closed:  # the requests failed because the pool was closed under them
+                        raise RuntimeError("the SGLang pool was closed while generating") from item
+                    raise item
+                yield item
+        finally:
+            future.cancel()  # the consumer stopped early (or failed): no request keeps running for nobody
+
+    async def _generate_all(self, requests: list[GroupRequest], sampling: SamplingParams, finished: queue.Queue) -> None:
+        limit = asyncio.Semaphore(self.max_concurrent_requests)
+        tasks = [asyncio.ensure_future(self._generate_group(r, sampling, limit, finished)) for r in requests]
+        try:
+            await asyncio.gather(*tasks)
+        except asyncio.CancelledError:
+            raise
+        except BaseException as error:  # noqa: BLE001 - hand it to the trainer's thread
+            finished.put(error)
+        finally:
+            for task in tasks:
+                task.cancel()
+
+    async def _generate_group(self, request: GroupRequest, sampling: SamplingParams, limit: asyncio.Semaphore, finished: queue.Queue) -> None:
+        # one request per sample: sglang_router accepts only single requests, and a retry redoes one sample
+        async with limit:
+            samples = await asyncio.gather(*(self._generate_sample(request, k, sampling) for k in range(request.group_size)))
+        urls = ", ".join(sorted({url for url, _ in samples}))
+        finished.put(parse_group(request, [answer for _, answer in samples], urls, self.version))
+
+    async def _generate_sample(self, request: GroupRequest, index: int, sampling: SamplingParams) -> tuple[str, dict]:
+        payload = sample_payload(request, index, sampling, self._eos_id)
+        what = f"prompt {request.prompt_id} sample {index}"
+        return await post_with_retries(self._client, self._fleet, "/generate", payload, self.max_retries, what, check=abort_reason)
+
+    def _worker_counts(self) -> tuple[int, int]:
+        fleet = self._fleet
+        return (len(fleet.servers), len(fleet.live())) if fleet else (0, 0)
+
+    def _details(self) -> dict:
+        fleet = self._fleet
+        if fleet is None:
+            return {}
+        return {"urls": [s.url for s in fleet.servers], "router": fleet.router.url if fleet.router else None, "pids": fleet.pids()}
+
+    def _busy_intervals(self) -> list[tuple[float, float]]:
+        servers = self._fleet.servers if self._fleet else []
+        return [(s.busy_from, s.busy_to) for s in servers if s.busy_from is not None and s.busy_to is not None]
+
+    def _close(self) -> None:
+        try:
+            if self._weights is not None:
+                self._weights.close()
+            if self._client is not None:
+                self._client.close()
+        finally:
+            if self._finalizer is not None:
+                self._finalizer()
+            self._fleet = self._client = self._weights = self._finalizer = None
+
+    def launched_pids(self) -> list[int]:
+        """Process ids of what this pool launched (router included)."""
+        return self._fleet.pids() if self._fleet else []

@@ -1,0 +1,177 @@
+"""The SGLang servers (and router) a pool drives: launching or attaching them, their health, stopping them.
+
+A launched server is ``launch_command --model-path ... --port ...`` in a session of its own, logging to
+the pool's work directory, and dies with the trainer (``PR_SET_PDEATHSIG``). An attached server is
+only a URL: it is used, health-checked and dropped when down, but never stopped. ``stop_launched``
+stops exactly what was launched, with each process group.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+
+from lit_parl.rollout.processes import die_with_parent
+from lit_parl.rollout.sglang.client import RETRYABLE, HTTPClient
+
+
+@dataclass
+class Server:
+    """One server (or the router) as the pool sees it.
+
+    Args:
+        url: ``http://host:port``.
+        process: the launched process; ``None`` for an attached server, which is not ours to stop.
+        log_path: the launched process's log.
+        alive: passed its last health check.
+        in_flight: requests sent to it (or, with a router, on its account) and not answered yet.
+        busy_from: when the current ``generate`` first sent it a request.
+        busy_to: when it last answered one.
+    """
+
+    url: str
+    process: subprocess.Popen | None = None
+    log_path: Path | None = None
+    alive: bool = True
+    in_flight: int = 0
+    busy_from: float | None = None
+    busy_to: float | None = None
+
+
+def server_command(
+    launch_command: list[str],
+    model_path: str,
+    host: str,
+    port: int,
+    tp_size: int,
+    mem_fraction_static: float | None,
+    server_args: list[str],
+) -> list[str]:
+    """``sglang.launch_server``'s command line. No tokenizer: prompts and completions are token ids."""
+    command = [*launch_command, "--model-path", model_path, "--host", host, "--port", str(port)]
+    command += ["--tp-size", str(tp_size), "--skip-tokenizer-init"]
+    if mem_fraction_static is not None:
+        command += ["--mem-fraction-static", str(mem_fraction_static)]
+    return command + list(server_args)
+
+
+def router_command(urls: list[str], host: str, port: int, router_args: list[str]) -> list[str]:
+    return [sys.executable, "-m", "sglang_router.launch_router", "--worker-urls", *urls, "--host", host, "--port", str(port), *router_args]
+
+
+class ServerFleet:
+    """The servers a pool drives and the router in front of them, if any.
+
+    Args:
+        workdir: where the logs of launched processes go.
+    """
+
+    def __init__(self, workdir: str | Path) -> None:
+        self.workdir = Path(workdir)
+        self.servers: list[Server] = []
+        self.router: Server | None = None
+        self.launched: list[subprocess.Popen] = []  # what stop_launched stops, the router first
+
+    def attach(self, urls: list[str]) -> None:
+        self.servers += [Server(url=url) for url in urls]
+
+    def launch_server(self, command: list[str], env: dict, url: str, log_name: str) -> Server:
+        server = self._spawn(command, env, url, log_name)
+        self.launched.append(server.process)
+        self.servers.append(server)
+        return server
+
+    def launch_router(self, command: list[str], url: str) -> Server:
+        self.router = self._spawn(command, dict(os.environ), url, "router.log")
+        self.launched.insert(0, self.router.process)  # stopped first: it holds connections to the servers
+        return self.router
+
+    def _spawn(self, command: list[str], env: dict, url: str, log_name: str) -> Server:
+        log_path = self.workdir / log_name
+        with open(log_path, "wb") as log:
+            # a session of its own: stop_launched stops the server's whole process tree with one signal
+            process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True, preexec_fn=die_with_parent)
+        return Server(url=url, process=process, log_path=log_path)
+
+    def wait_healthy(self, client: HTTPClient, server: Server, timeout_s: float) -> None:
+        """Return once ``GET /health`` answers; raise with the URL (and a launched server's log) if it does not."""
+        deadline = time.monotonic() + timeout_s
+        last = "no answer"
+        while time.monotonic() < deadline:
+            if server.process is not None and server.process.poll() is not None:
+                raise RuntimeError(
+                    f"SGLang server {server.url} exited with code {server.process.returncode} while starting. "
+                    f"Last lines of {server.log_path}:\n{log_tail(server.log_path)}"
+                )
+            try:
+                client.run(client.get(server.url, "/health", timeout=5.0))
+                return
+            except RETRYABLE as error:
+                last = f"{type(error).__name__}: {error}"
+            time.sleep(0.5)
+        launched = f" Last lines of {server.log_path}:\n{log_tail(server.log_path)}" if server.process is not None else ""
+        raise RuntimeError(f"SGLang server {server.url} is not healthy after {timeout_s:.0f} s (GET /health: {last}).{launched}")
+
+    def live(self) -> list[Server]:
+        return [s for s in self.servers if s.alive]
+
+    def pick(self) -> Server | None:
+        """The live server with the fewest requests in flight; ``None`` if none is left (or the router is down)."""
+        if self.router is not None and not self.router.alive:
+            return None
+        alive = self.live()
+        return min(alive, key=lambda s: s.in_flight) if alive else None
+
+    async def check_alive(self, client: HTTPClient, server: Server) -> None:
+        """Mark ``server`` down if its process exited or ``/health`` fails; warn once when it goes."""
+        dead = server.process is not None and server.process.poll() is not None
+        if not dead:
+            try:
+                await client.get(server.url, "/health", timeout=5.0)
+            except RETRYABLE:
+                dead = True
+        if dead and server.alive:
+            server.alive = False
+            warnings.warn(f"SGLang server {server.url} is down; its requests go to the other servers", RuntimeWarning, stacklevel=2)
+
+    def pids(self) -> list[int]:
+        """Process ids of what was launched (router included)."""
+        return [p.pid for p in self.launched]
+
+
+def log_tail(path: Path | None, lines: int = 20) -> str:
+    if path is None or not path.exists():
+        return ""
+    return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+
+
+def stop_launched(processes: list[subprocess.Popen], workdir: str | None) -> None:
+    """SIGTERM each launched process group, SIGKILL what is left after 15 s, then remove the work dir."""
+    for process in processes:
+        if process.poll() is None:
+            try:
+                os.killpg(process.pid, signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+    deadline = time.monotonic() + 15.0
+    for process in processes:
+        try:
+            process.wait(timeout=max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            pass
+    for process in processes:
+        try:
+            os.killpg(process.pid, signal.SIGKILL)  # also the server's own children, if any survived
+        except (ProcessLookupError, PermissionError):
+            pass
+        if process.poll() is None:
+            process.wait(timeout=5.0)
+    if workdir:
+        shutil.rmtree(workdir, ignore_errors=True)

@@ -1,0 +1,186 @@
+"""Pushing the trainer's weights to SGLang servers, bucket by bucket, by one of three methods.
+
+Every sync is wrapped the same way: ``/pause_generation``, the update, ``/flush_cache``, then
+``/get_weight_version`` (every server must report the new version, or the sync fails) and
+``/continue_generation``. The methods (``SGLangRolloutPool(sync_method=...)``):
+
+- ``tensor``: ``/update_weights_from_tensor`` per bucket, the tensors passed as CUDA IPC handles (or
+  shared-memory files for CPU tensors): trainer and servers on one node.
+- ``distributed``: ``/init_weights_update_group`` once, then ``/update_weights_from_distributed`` per
+  bucket while the trainer broadcasts it over NCCL: servers on other nodes.
+- ``disk``: each bucket written as a safetensors shard in ``sync_dir`` (which every server must see),
+  an index beside them, then one ``/update_weights_from_disk``.
+
+Buckets are read on the caller's thread (a sharded trainer gathers each one with collectives there) and
+each is sent before the next is read, so the producer may reuse its memory. Every update carries the new
+``weight_version``: a server may report it before its last bucket is in, but generation is paused
+meanwhile, and the pool holds no confirmed version until every server reported it after the last one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import shutil
+from collections.abc import Iterable
+from pathlib import Path
+
+import torch
+
+from lit_parl.rollout.base import WeightBucket
+from lit_parl.rollout.sglang.client import HTTPClient
+from lit_parl.rollout.sglang.servers import Server
+from lit_parl.rollout.weight_transfer import broadcast_from_trainer, init_weight_update_group, save_shard, serialize_named_tensors
+
+SYNC_METHODS = ("tensor", "distributed", "disk")
+
+
+class WeightUpdater:
+    """The weight side of an SGLang pool: the three update methods and the weight-update process group.
+
+    Args:
+        client: the pool's HTTP client.
+        model_dir: the model directory whose ``config.json`` goes beside disk checkpoints.
+        sync_dir: the root of the ``disk`` checkpoints (``version_<k>`` below it).
+        tp_size: tensor-parallel ranks per server (each gets its share of a ``tensor`` update).
+        dist_master_address, dist_master_port, dist_backend, group_name: the ``distributed`` method's
+            process group (the trainer is rank 0 and hosts its rendezvous).
+    """
+
+    def __init__(
+        self,
+        client: HTTPClient,
+        model_dir: str | Path,
+        sync_dir: str | Path,
+        tp_size: int,
+        dist_master_address: str,
+        dist_master_port: int,
+        dist_backend: str,
+        group_name: str,
+    ) -> None:
+        self.client = client
+        self.model_dir = Path(model_dir)
+        self.sync_dir = Path(sync_dir)
+        self.tp_size = tp_size
+        self.dist = (dist_master_address, dist_master_port, dist_backend)
+        self.group_name = group_name
+        self.group = None  # the weight-update process group, once the distributed method built it
+
+    def sync(self, method: str, servers: list[Server], everyone: list[Server], buckets: Iterable[WeightBucket], version: int) -> None:
+        """Load ``buckets`` as ``version`` on the live ``servers`` (of ``everyone`` the pool drives); confirm it."""
+        if method not in SYNC_METHODS:
+            raise ValueError(f"SGLangRolloutPool(sync_method={method!r}): choose one of {SYNC_METHODS}")
+        if not servers:
+            raise RuntimeError(f"no live SGLang server to sync version {version} to; down: {[s.url for s in everyone]}")
+        if method == "distributed" and self.group is not None and len(servers) < len(everyone):
+            # a broadcast to a group with a dead member would hang until the NCCL timeout
+            down = [s.url for s in everyone if not s.alive]
+            raise RuntimeError(
+                f"SGLang server(s) {down} left the weight-update group: the distributed sync cannot go on. Resume from the "
+                "last checkpoint with the servers restarted, or use SGLangRolloutPool(sync_method='disk'), which tolerates losing a server"
+            )
+        run = self.client.run
+        run(self._each(servers, lambda s: self.client.post(s.url, "/pause_generation", {})))
+        if method == "distributed" and self.group is None:
+            self._init_group(servers, everyone)
+        shards: dict[str, str] = {}
+        out = self.sync_dir / f"version_{version}"
+        if method == "disk":
+            shutil.rmtree(out, ignore_errors=True)  # shards of a failed attempt at this version must not mix in
+        fields = {"weight_version": str(version), "flush_cache": False}  # the wrap flushes once, after the last
+        sent = 0
+        for sent, bucket in enumerate(buckets, start=1):
+            if method == "tensor":
+                self._send_tensors(servers, bucket, fields)
+            elif method == "distributed":
+                self._broadcast(servers, bucket, fields)
+            else:
+                shards.update(save_shard(bucket, out, f"model-{sent:05d}.safetensors"))
+        if not sent:
+            raise ValueError("sync_weights got no buckets: nothing to load")
+        if method == "disk":
+            self._load_from_disk(servers, out, shards, version)
+        run(self._confirm(servers, version))
+
+    def _send_tensors(self, servers: list[Server], bucket: WeightBucket, fields: dict) -> None:
+        # CPU tensors travel as shared-memory files that close with their last reader: send fresh copies,
+        # alive until every server has answered (CUDA tensors travel as IPC handles, uncopied)
+        shared = [(name, t.detach() if t.is_cuda else t.detach().clone()) for name, t in bucket]
+        payload = {"serialized_named_tensors": [serialize_named_tensors(shared)] * self.tp_size, **fields}
+        self.client.run(self._each(servers, lambda s: self._update(s, "/update_weights_from_tensor", payload)))
+        del shared
+
+    def _broadcast(self, servers: list[Server], bucket: WeightBucket, fields: dict) -> None:
+        payload = {
+            "names": [name for name, _ in bucket],
+            "dtypes": [str(t.dtype).removeprefix("torch.") for _, t in bucket],
+            "shapes": [list(t.shape) for _, t in bucket],
+            "group_name": self.group_name,
+            **fields,
+        }
+        # the servers receive while this thread sends: the requests go first, the broadcast meets them
+        updates = self.client.submit(self._each(servers, lambda s: self._update(s, "/update_weights_from_distributed", payload)))
+        try:
+            broadcast_from_trainer(self.group, [t.detach() for _, t in bucket])
+        except BaseException:
+            updates.cancel()
+            raise
+        updates.result()
+
+    def _init_group(self, servers: list[Server], everyone: list[Server]) -> None:
+        address, port, backend = self.dist
+        world_size = 1 + self.tp_size * len(everyone)
+        body = {"master_address": address, "master_port": port, "world_size": world_size, "group_name": self.group_name, "backend": backend}
+
+        def join(server: Server):
+            offset = 1 + self.tp_size * everyone.index(server)  # rank 0 is the trainer
+            return self._update(server, "/init_weights_update_group", {**body, "rank_offset": offset})
+
+        joined = self.client.submit(self._each(servers, join))
+        try:
+            self.group = init_weight_update_group(address, port, 0, world_size, self.group_name, backend)
+        except BaseException:
+            joined.cancel()
+            raise
+        joined.result()
+
+    def _load_from_disk(self, servers: list[Server], out: Path, shards: dict[str, str], version: int) -> None:
+        config = self.model_dir / "config.json"
+        if config.exists():
+            shutil.copy(config, out / "config.json")
+        # the standard index of a sharded checkpoint: every loader reads exactly the shards it names
+        (out / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": shards}))
+        payload = {"model_path": str(out), "weight_version": str(version), "flush_cache": True}
+        self.client.run(self._each(servers, lambda s: self._update(s, "/update_weights_from_disk", payload)))
+        for old in self.sync_dir.glob("version_*"):  # keep only the weights the servers now hold
+            if old != out:
+                shutil.rmtree(old, ignore_errors=True)
+
+    async def _confirm(self, servers: list[Server], version: int) -> None:
+        await self._each(servers, lambda s: self.client.post(s.url, "/flush_cache", {}))
+        reported = await self._each(servers, lambda s: self.client.get(s.url, "/get_weight_version"))
+        wrong = [(s.url, r.get("weight_version") if isinstance(r, dict) else r) for s, r in zip(servers, reported)]
+        wrong = [(url, got) for url, got in wrong if got != str(version)]
+        if wrong:
+            raise RuntimeError(
+                f"weight sync to version {version} was not confirmed: /get_weight_version answered {wrong} (url, version). "
+                "Refusing to generate with unknown weights."
+            )
+        await self._each(servers, lambda s: self.client.post(s.url, "/continue_generation", {}))
+
+    async def _update(self, server: Server, path: str, payload: dict) -> None:
+        answer = await self.client.post(server.url, path, payload)
+        if not isinstance(answer, dict) or not answer.get("success", False):
+            raise RuntimeError(f"{server.url}{path} failed: {answer}")
+
+    @staticmethod
+    async def _each(servers: list[Server], call) -> list:
+        return await asyncio.gather(*(call(s) for s in servers))
+
+    def close(self) -> None:
+        if self.group is not None:
+            try:
+                torch.distributed.destroy_process_group(self.group)
+            except Exception:  # noqa: BLE001 - the servers may be gone already
+                pass
+            self.group = None

@@ -1,0 +1,153 @@
+"""The vLLM engine inside one ``vllm`` worker process: building it, loading weights, sampling groups.
+
+Everything here runs in the spawned worker (``lit_parl.rollout.workers.serve``), never in the trainer's
+process; vLLM is imported only there. See ``lit_parl.rollout.vllm`` for the design.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Iterator
+
+import torch
+
+from lit_parl.trajectory import GroupCompletions, GroupRequest, SamplingParams
+
+EXTENSION = "lit_parl.rollout.vllm_engine.VLLMWorkerExtension"
+
+
+class VLLMWorkerExtension:
+    """Mixed into vLLM's worker class (``worker_extension_cls``); called through ``collective_rpc``."""
+
+    def lit_parl_load_weights(self, weights: dict[str, torch.Tensor], version: int) -> int:
+        """Load Hugging Face-named tensors in place and return ``version`` as this worker's confirmation."""
+        # Each reload warns "Failed to load weights" for the layers the checkpoint has no weights for: the
+        # rotary embedding (it has none) and a tied head (rebuilt below). Every sync would print it.
+        logging.getLogger("vllm.model_executor.model_loader.reload.layerwise").setLevel(logging.ERROR)
+        named = iter(weights.items())
+        if hasattr(self, "reload_weights"):
+            # in place, and re-runs each layer's post-load processing (the CPU backend packs linear
+            # weights for oneDNN; a plain copy into the parameters would not reach those packed copies)
+            self.reload_weights(weights_iterator=named, is_checkpoint_format=True)
+        else:  # vLLM releases without reload_weights (not run here): the parameters' own weight loaders
+            self.model_runner.model.load_weights(weights=named)
+        model = self.model_runner.model
+        head = getattr(model, "lm_head", None)
+        method = getattr(head, "quant_method", None)
+        if getattr(self.model_config.hf_text_config, "tie_word_embeddings", False) and method is not None:
+            # A tied head has no weight of its own in the checkpoint, so the reload reprocesses only the
+            # embedding. Rebuild the head's kernel (on CPU, its packed matrix) from the new weight.
+            method.process_weights_after_loading(head)
+        return version
+
+
+class VLLMEngine:
+    """One ``vllm.LLMEngine``, stepped by this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``).
+
+    Args:
+        model_dir: the Hugging Face directory vLLM builds the model from (its weights are replaced by the
+            first sync).
+        engine_args: ``vllm.EngineArgs`` keywords besides ``model``.
+        eos_id: the end token, passed as a stop token (the engine has no tokenizer).
+        threads: CPU threads of this engine.
+    """
+
+    def __init__(self, model_dir: str, engine_args: dict, eos_id: int, threads: int) -> None:
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine core runs in this process
+        os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+        torch.set_num_threads(threads)  # before vLLM's CPU worker turns set_num_threads into a no-op
+        from transformers import AutoConfig
+        from vllm import EngineArgs, LLMEngine
+
+        _check_head_size(AutoConfig.from_pretrained(model_dir))
+        self.engine = LLMEngine.from_engine_args(EngineArgs(model=model_dir, **engine_args))
+        self.eos_id = eos_id
+
+    def load(self, shared: dict[str, torch.Tensor], version: int) -> None:
+        # the shared-memory tensors go to the model by reference: the engine runs in this process
+        confirmed = self.engine.collective_rpc("lit_parl_load_weights", args=(shared, version))
+        if any(v != version for v in confirmed):
+            raise RuntimeError(f"vLLM workers confirmed versions {confirmed} while loading version {version}")
+        if self.engine.reset_prefix_cache() is False:  # cached prompt KV was computed by the old weights
+            raise RuntimeError(f"vLLM could not reset its prefix cache after loading version {version}")
+        if hasattr(self.engine, "set_weight_version"):
+            self.engine.set_weight_version(str(version))
+
+    def sample(self, requests: list[GroupRequest], sampling: SamplingParams, version: int) -> Iterator[GroupCompletions]:
+        """Every sample is its own vLLM request with its own seed; a group is yielded once all of its are done."""
+        from vllm import SamplingParams as VLLMSamplingParams
+        from vllm.sampling_params import RequestOutputKind
+
+        # the engine has no tokenizer (skip_tokenizer_init), so it knows no end token: pass it as a stop token
+        stops = sorted({self.eos_id, *sampling.stop_token_ids})
+        samples: dict[int, list] = {r.prompt_id: [None] * r.group_size for r in requests}
+        for r in requests:
+            for index, seed in enumerate(r.seeds):
+                params = VLLMSamplingParams(
+                    n=1,
+                    seed=seed,
+                    temperature=sampling.temperature,
+                    top_p=sampling.top_p,
+                    top_k=sampling.top_k,  # 0 disables it, in vLLM as here
+                    max_tokens=sampling.max_new_tokens,
+                    stop_token_ids=stops,
+                    logprobs=0,  # the sampled token's log-prob only
+                    detokenize=False,
+                    output_kind=RequestOutputKind.FINAL_ONLY,  # one output per request, when it has finished
+                )
+                self.engine.add_request(f"{r.prompt_id}/{index}", _token_prompt(r.prompt_ids), params)
+        while self.engine.has_unfinished_requests():
+            for output in self.engine.step():
+                if not output.finished:
+                    continue
+                prompt_id, index = (int(part) for part in output.request_id.split("/"))
+                completion = output.outputs[0]
+                tokens = list(completion.token_ids)
+                if completion.finish_reason not in ("stop", "length"):
+                    raise RuntimeError(f"vLLM finished prompt {prompt_id} sample {index} with {completion.finish_reason!r}")
+                # vLLM labels each token with the weight version that sampled it: it must be the one held
+                spans = getattr(completion, "weight_versions", None) or []
+                labels = sorted({span.version for span in spans} - {str(version)})
+                if labels:
+                    raise RuntimeError(f"prompt {prompt_id} sample {index} was sampled by weight version(s) {labels}, not {version}")
+                logprobs = [position[token].logprob for token, position in zip(tokens, completion.logprobs)]
+                samples[prompt_id][index] = (tokens, logprobs, completion.finish_reason)
+                if all(s is not None for s in samples[prompt_id]):
+                    done = samples.pop(prompt_id)
+                    yield GroupCompletions(
+                        prompt_id=prompt_id,
+                        version=version,  # the version this worker holds, not the one it was asked for
+                        sample_indices=list(range(len(done))),
+                        completions=[s[0] for s in done],
+                        logprobs=[s[1] for s in done],
+                        finish_reasons=[s[2] for s in done],
+                    )
+
+
+def _check_head_size(config) -> None:
+    """Fail at start, not at the first generation, on a head size vLLM's CPU attention cannot run."""
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        return
+    try:
+        from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+    except ImportError:  # another vLLM layout: let vLLM report it
+        return
+    head_size = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    supported = CPUAttentionBackend.get_supported_head_sizes()
+    if head_size not in supported:
+        raise ValueError(
+            f"vLLM's CPU attention supports head sizes {supported}, but this model's is {head_size} "
+            f"(hidden_size {config.hidden_size} / {config.num_attention_heads} heads). For the tiny default, "
+            "use model.hidden_size=128 with 4 heads (the conf default)."
+        )
+
+
+def _token_prompt(prompt_ids: tuple[int, ...]):
+    try:  # an engine input: the token ids go straight to the engine, with no rendering step
+        from vllm.inputs import tokens_input
+    except ImportError:  # vLLM releases before engine inputs
+        from vllm.inputs import TokensPrompt as tokens_input
+    return tokens_input(prompt_token_ids=list(prompt_ids))
