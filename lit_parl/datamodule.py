@@ -84,7 +84,8 @@ class RolloutDataModule(LightningDataModule):
         max_sampling_rounds: dynamic sampling's rounds of refill prompts.
         prefetch: receive and collate micro-batches in a thread; ``None``: on with an accelerator.
         trainer_threads: torch threads of the trainer's process; ``None``: the cores the pool leaves.
-        score_workers: threads that score groups.
+        score_workers: threads of their own that score groups (for slow rewards, e.g. verifiers); 0 scores
+            each group where the batcher runs: in the prefetch thread when it is on, else between steps.
     """
 
     def __init__(
@@ -103,7 +104,7 @@ class RolloutDataModule(LightningDataModule):
         max_sampling_rounds: int = 8,
         prefetch: bool | None = None,
         trainer_threads: int | None = None,
-        score_workers: int = 1,
+        score_workers: int = 0,
     ) -> None:
         super().__init__()
         if mode not in MODES:

@@ -90,7 +90,7 @@ class FailingStep(Callback):
 
 
 class SlowAfterFirstGroupTask(CopyTask):
-    """Scores its first group at once, then takes a second per completion (in the scorer's thread)."""
+    """Scores its first group at once, then takes a second per completion."""
 
     def __init__(self, group_size: int) -> None:
         super().__init__()
@@ -103,12 +103,15 @@ class SlowAfterFirstGroupTask(CopyTask):
         return super().reward(answer_ids, completion_ids, eos_id)
 
 
-def test_a_failing_step_stops_the_prefetch_thread_while_it_waits_on_the_pool():
-    """The trainer fails on its first micro-batch while the thread waits for the next group; closing the
-    pool must end the thread (its receive raises), not leave it polling for the response timeout."""
+@pytest.mark.parametrize("score_workers", [0, 1])
+def test_a_failing_step_stops_the_prefetch_thread_while_it_waits_for_groups(score_workers):
+    """The trainer fails on its first micro-batch while the thread waits for the next group (scored in the
+    thread itself, or on the scorer's threads); the failed fit closes the pool and the scorer, and the
+    thread must end then, not poll for the response timeout."""
     pool = HFRolloutPool(num_workers=1, threads_per_worker=1, prompts_per_request=1, colocated_threads=1)
     module, data = make_components(pool=pool, prompts=4, group_size=4, micro_batch_size=4, task=SlowAfterFirstGroupTask(4))
     data.prefetch = True
+    data.scorer.workers = score_workers
     with pytest.raises(RuntimeError, match="boom in the trainer"):
         fit(module, data, iterations=1, callbacks=[FailingStep()])
     assert not pool.health().started

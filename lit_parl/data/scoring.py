@@ -1,15 +1,18 @@
-"""GroupScorer: rewards for finished groups, computed in the trainer's process, in an executor of its own.
+"""GroupScorer: rewards for finished groups, computed in the trainer's process.
 
 The rollout pool only generates (``GroupCompletions``, unscored); scoring needs the task and the
-tokenizer, which live with the trainer. Scoring runs on a thread pool fed as groups arrive, so a slow
-reward never stalls generation (no event loop, no worker) nor the training step that consumes the
-previous group. Groups leave in the order their scores finish.
+tokenizer, which live with the trainer. Scoring never runs on an event loop or in a generation worker.
+With ``workers >= 1`` a thread of its own reads the pool's stream and a thread pool scores groups as
+they arrive, so a slow reward (a verifier, a sandbox) stalls neither generation nor the training step;
+groups then leave in the order their scores finish. With ``workers=0`` each group is scored in the
+consumer's thread as it arrives: for a reward of microseconds this is the fastest (the thread hops cost
+more than the reward: 9% of the default job's throughput on a 2-core CPU, benchmarks/RESULTS.md).
 
 Example::
 
     >>> from lit_parl.tasks import CopyTask
     >>> from lit_parl.trajectory import GroupCompletions, GroupRequest
-    >>> scorer = GroupScorer(CopyTask(), eos_id=1)
+    >>> scorer = GroupScorer(CopyTask(), eos_id=1, workers=1)
     >>> request = GroupRequest(prompt_id=0, prompt_ids=(5, 6, 3), answer_ids=(5, 6), version=0, seeds=(1, 2))
     >>> done = GroupCompletions(0, 0, [0, 1], [[5, 6, 1], [5, 1]], [[0.0] * 3, [0.0] * 2], ["stop", "stop"])
     >>> [group.rewards for group in scorer.stream(iter([done]), {0: request})]
@@ -43,14 +46,14 @@ class GroupScorer:
         reward_fn: a ``RewardFunction`` (a task).
         eos_id: the end token the rewards look for.
         workers: threads that score concurrently (rewards that release the GIL, or wait on a verifier,
-            gain from more than one).
+            gain from more than one); 0 scores inline in the consumer's thread, with no thread of its own.
     """
 
-    def __init__(self, reward_fn: RewardFunction, eos_id: int, workers: int = 1) -> None:
+    def __init__(self, reward_fn: RewardFunction, eos_id: int, workers: int = 0) -> None:
         if not isinstance(reward_fn, RewardFunction):
             raise TypeError(f"GroupScorer(reward_fn={type(reward_fn).__name__}): needs a reward(answer_ids, completion_ids, eos_id) method")
-        if workers < 1:
-            raise ValueError(f"GroupScorer(workers={workers}) must be >= 1")
+        if workers < 0:
+            raise ValueError(f"GroupScorer(workers={workers}) must be >= 0 (0: score inline, in the consumer's thread)")
         self.reward_fn = reward_fn
         self.eos_id = eos_id
         self.workers = workers
@@ -67,6 +70,11 @@ class GroupScorer:
         A group for a prompt not in ``requests`` is handed through unscored-checked: the caller's
         acceptor refuses it. Closing this generator stops reading the pool's stream.
         """
+        if self.workers == 0:  # inline: score in the consumer's thread (no reader thread, no executor)
+            for completions in groups:
+                request = requests.get(completions.prompt_id)
+                yield completions.scored([float("nan")] * len(completions.completions)) if request is None else self.score(request, completions)
+            return
         if self._executor is None:
             self._executor = ThreadPoolExecutor(self.workers, thread_name_prefix="lit_parl-score")
         executor, finished, stop = self._executor, queue.SimpleQueue(), threading.Event()
