@@ -92,8 +92,8 @@ def main() -> None:
             for prompt_id in range(16):
                 text, answer = task.make(prompt_id)
                 requests.append(GroupRequest(
-                    prompt_id=prompt_id, prompt_ids=tuple(tokenizer(text, add_special_tokens=False).input_ids),
-                    answer_ids=tuple(tokenizer(answer, add_special_tokens=False).input_ids), version=version,
+                    prompt_id=prompt_id, prompt_tokens=tuple(tokenizer(text, add_special_tokens=False).input_ids),
+                    answer_tokens=tuple(tokenizer(answer, add_special_tokens=False).input_ids), version=version,
                     seeds=tuple(sample_seed(0, version, prompt_id, k) for k in range(8)),
                 ))
             t0 = time.monotonic()
@@ -104,9 +104,9 @@ def main() -> None:
             for group in groups:
                 for completion, logprobs in zip(group.completions, group.logprobs):
                     served = torch.tensor(logprobs)
-                    new_diff = max(new_diff, float((served - trainer_logprobs(model, by_id[group.prompt_id].prompt_ids, completion, 0.8)).abs().max()))
+                    new_diff = max(new_diff, float((served - trainer_logprobs(model, by_id[group.prompt_id].prompt_tokens, completion, 0.8)).abs().max()))
                     if previous is not None:
-                        old = trainer_logprobs(previous, by_id[group.prompt_id].prompt_ids, completion, 0.8)
+                        old = trainer_logprobs(previous, by_id[group.prompt_id].prompt_tokens, completion, 0.8)
                         old_diff = max(old_diff, float((served - old).abs().max()))
             versions = sorted({g.version for g in groups})
             ok = versions == [version] and len(groups) == 16 and new_diff < args.tolerance and (previous is None or old_diff > args.tolerance)

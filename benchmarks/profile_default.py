@@ -66,7 +66,7 @@ def micro_batch(rng: random.Random, prompt_len: tuple[int, int], groups: int = 8
             completion = [rng.randrange(1, 50) for _ in range(rng.randint(1, 6))]
             out.append(
                 Trajectory(
-                    prompt_id=g, sample_index=s, version=0, prompt_ids=prompt, completion_ids=completion,
+                    prompt_id=g, sample_index=s, version=0, prompt_tokens=prompt, completion_tokens=completion,
                     rollout_logprobs=[-rng.expovariate(1.0) for _ in completion], reward=rng.random(),
                     advantage=rng.gauss(0, 1), truncated=False, shaped_reward=None,
                 )
@@ -109,7 +109,7 @@ def side_by_side(rev: str, reps: int) -> None:
     for case, prompt_len in (("default", (6, 10)), ("long_prompt", (190, 210))):
         rng = random.Random(case)
         batches = [micro_batch(rng, prompt_len) for _ in range(10)]
-        groups = [[(b[g * 8].prompt_ids, [t.completion_ids for t in b[g * 8 : g * 8 + 8]]) for g in range(8)] for b in batches]
+        groups = [[(b[g * 8].prompt_tokens, [t.completion_tokens for t in b[g * 8 : g * 8 + 8]]) for g in range(8)] for b in batches]
         for layout in ("shared_prompt", "padded"):
             shared = layout == "shared_prompt"
             for batch, gs in zip(batches, groups):  # bit-identical before timing

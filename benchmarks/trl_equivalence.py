@@ -104,7 +104,7 @@ def main() -> None:
     lit_model = copy.deepcopy(model).train()
     objective = GRPOObjective()
     trajectories = [
-        Trajectory(prompt_id=pid, sample_index=i % G, version=0, prompt_ids=list(p), completion_ids=list(c),
+        Trajectory(prompt_id=pid, sample_index=i % G, version=0, prompt_tokens=list(p), completion_tokens=list(c),
                    rollout_logprobs=[0.0] * len(c), reward=r, advantage=float(trl_adv[i]), truncated=eos not in c)
         for i, (pid, p, c, r) in enumerate(samples)
     ]

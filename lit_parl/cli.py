@@ -8,7 +8,10 @@ parameters), without starting any process, so a bad configuration fails before t
 
 from __future__ import annotations
 
+import logging
 import signal
+import warnings
+from pathlib import Path
 
 import hydra
 import lightning
@@ -23,6 +26,30 @@ from lit_parl.module import GRPOModule
 
 # loggers whose packages are extras: the import error names the extra to install
 _LOGGER_EXTRAS = {"TensorBoardLogger": "tensorboard", "WandbLogger": "wandb", "MLFlowLogger": "mlflow"}
+
+
+# Messages of the libraries that a user of the default job can do nothing about (each checked on the
+# versions in use): the iteration stream is sized on purpose and read in-process (num_workers=0); the
+# frozen old/reference copies are in eval mode on purpose; Lightning's loader uses a torch pytree class
+# that torch deprecated.
+_EXPECTED_WARNINGS = (
+    r"Your `IterableDataset` has `__len__` defined",
+    r"Found \d+ module\(s\) in eval mode at the start of training",
+    r"`isinstance\(treespec, LeafSpec\)` is deprecated",
+)
+
+
+def _quiet_console(run_dir: Path) -> None:
+    """The default job prints its progress and summary, not library notices it cannot act on."""
+    for message in _EXPECTED_WARNINGS:
+        warnings.filterwarnings("ignore", message=message)
+    if not run_dir.exists() or {p.name for p in run_dir.iterdir()} <= {".hydra"}:
+        # a fresh run: the directory holds only Hydra's record of the config, which the CSV logger may share
+        warnings.filterwarnings("ignore", message=r"Experiment logs directory .* exists and is not empty")
+    logging.getLogger("lightning.pytorch.utilities.rank_zero").addFilter(lambda record: "litlogger" not in record.getMessage())
+    import transformers
+
+    transformers.utils.logging.disable_progress_bar()  # "Writing model shards" bars for a model of a few MB
 
 
 def _logger(cfg: DictConfig):
@@ -84,6 +111,7 @@ def _raise_keyboard_interrupt(signum, frame):
 
 
 def run(cfg: DictConfig) -> dict:
+    _quiet_console(Path(cfg.run_dir))
     module, datamodule, trainer = build(cfg)
     # SIGTERM unwinds like Ctrl-C: Lightning's exception path has the datamodule close its pool
     previous = signal.signal(signal.SIGTERM, _raise_keyboard_interrupt)

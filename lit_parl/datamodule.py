@@ -47,7 +47,7 @@ from lit_parl.data.scoring import GroupScorer
 from lit_parl.data.shape import IterationShape
 from lit_parl.data.stats import IterationStats
 from lit_parl.rollout.base import PoolSpec, RolloutPool
-from lit_parl.trajectory import Packing, SamplingParams
+from lit_parl.trajectory import MicroBatch, Packing, SamplingParams
 
 MODES = ("async", "sync")
 
@@ -144,6 +144,13 @@ class RolloutDataModule(LightningDataModule):
 
     def on_exception(self, exception: BaseException) -> None:
         self._release()  # a failed or interrupted fit skips teardown: the workers must not outlive it
+
+    def transfer_batch_to_device(self, batch, device: torch.device, dataloader_idx: int):
+        # Micro-batches are built on the CPU; when training there, skip Lightning's generic walk over the
+        # nested layout (measured at ~5 ms per step on the default job, about a fifth of a step).
+        if isinstance(batch, MicroBatch) and batch.advantages.device == device:
+            return batch
+        return super().transfer_batch_to_device(batch, device, dataloader_idx)
 
     def train_dataloader(self) -> DataLoader:
         return DataLoader(_IterationStream(self), batch_size=None, num_workers=0, collate_fn=lambda batch: batch)

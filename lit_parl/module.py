@@ -125,13 +125,6 @@ class GRPOModule(LightningModule):
     def on_fit_start(self) -> None:
         self._backend = resolve_backend(self.attention_backend, self.device)
 
-    def transfer_batch_to_device(self, batch, device: torch.device, dataloader_idx: int):
-        # Micro-batches are built on the CPU; when training there, skip Lightning's generic walk over the
-        # nested layout (measured at ~5 ms per step on the default job, about a fifth of a step).
-        if isinstance(batch, MicroBatch) and batch.advantages.device == device:
-            return batch
-        return super().transfer_batch_to_device(batch, device, dataloader_idx)
-
     def on_train_epoch_start(self) -> None:
         if self.old is not None:  # θ_k exactly: the weights the pool generates this iteration with
             self.old.load_state_dict(self.policy.state_dict())

@@ -41,9 +41,9 @@ def sample_seed(base_seed: int, version: int, prompt_id: int, sample_index: int)
 class GroupRequest:
     """Generate ``len(seeds)`` completions of one prompt with policy ``version``."""
 
-    prompt_id: int
-    prompt_ids: tuple[int, ...]
-    answer_ids: tuple[int, ...]
+    prompt_id: int  # the prompt's global draw index
+    prompt_tokens: tuple[int, ...]
+    answer_tokens: tuple[int, ...]
     version: int
     seeds: tuple[int, ...]
 
@@ -91,8 +91,8 @@ class Trajectory:
     prompt_id: int
     sample_index: int
     version: int
-    prompt_ids: list[int]
-    completion_ids: list[int]
+    prompt_tokens: list[int]
+    completion_tokens: list[int]
     rollout_logprobs: list[float]
     reward: float
     advantage: float
@@ -118,7 +118,7 @@ class MicroBatch:
     truncated: torch.Tensor  # [n] bool: cut at the length limit
     correct: torch.Tensor  # [n] bool
     zero_variance: torch.Tensor  # [n] bool: the sample's group had all-equal rewards
-    prompt_ids: list[int] = field(default_factory=list)
+    prompt_ids: list[int] = field(default_factory=list)  # each sample's prompt_id (draw index), not tokens
     sample_indices: list[int] = field(default_factory=list)
     version: int = -1
     sample_offset: int = 0  # samples of this pass over the iteration trained before this micro-batch
@@ -190,14 +190,14 @@ def collate(
     for t in trajectories:
         by_prompt.setdefault(t.prompt_id, []).append(t)
     ordered = [t for group in by_prompt.values() for t in group]
-    groups = [(group[0].prompt_ids, [t.completion_ids for t in group]) for group in by_prompt.values()]
+    groups = [(group[0].prompt_tokens, [t.completion_tokens for t in group]) for group in by_prompt.values()]
     if packing == "auto":
         shared = padded_token_count(groups) >= min_packing_gain * shared_prompt_token_count(groups)
     else:
         shared = packing == "shared_prompt"
     tokens = pack(groups, pad_id, shared_prompt=shared, max_row_tokens=max_row_tokens)
     rollout_logprobs = torch.zeros(tokens.completion_mask.shape, dtype=torch.float32)
-    if all(len(t.rollout_logprobs) == len(t.completion_ids) for t in ordered):
+    if all(len(t.rollout_logprobs) == len(t.completion_tokens) for t in ordered):
         # one log-prob per completion token: they fill exactly the label slots, in order
         flat = [lp for t in ordered for lp in t.rollout_logprobs]
         rollout_logprobs.view(-1)[tokens.label_slots] = torch.tensor(flat, dtype=torch.float32)

@@ -75,7 +75,7 @@ class StandIn:
             stop_token_ids=tuple(stops[1:]),
         )
         eos = stops[0] if stops else self.model.config.eos_token_id
-        request = GroupRequest(prompt_id=0, prompt_ids=tuple(prompt), answer_ids=(), version=0, seeds=tuple(seeds))
+        request = GroupRequest(prompt_id=0, prompt_tokens=tuple(prompt), answer_tokens=(), version=0, seeds=tuple(seeds))
         (sampled,) = list(sample_groups(self.model, [request], sampling, eos, eos))
         outputs = []
         for tokens, logprobs, reason in zip(sampled.completions, sampled.logprobs, sampled.finish_reasons):

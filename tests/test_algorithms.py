@@ -123,10 +123,10 @@ def reference_update(initial, pool: ScriptedPool, data: RolloutDataModule, objec
     for slot in range(PROMPTS):
         request = data.schedule.requests([slot], 0)[slot]
         group = pool.rollout(slot, 0)
-        r = torch.tensor([data.task.reward(request.answer_ids, c, pool.eos_id) for c in group.completions], dtype=torch.float64)
+        r = torch.tensor([data.task.reward(request.answer_tokens, c, pool.eos_id) for c in group.completions], dtype=torch.float64)
         adv = torch.zeros(G, dtype=torch.float64) if bool((r == r[0]).all()) else (r - r.mean()) / (r.std() + 1e-6)
         for k in range(G):
-            samples.append((slot, list(request.prompt_ids), group.completions[k], float(adv[k])))
+            samples.append((slot, list(request.prompt_tokens), group.completions[k], float(adv[k])))
 
     def logprobs(m, prompt, completion):
         ids = torch.tensor([prompt + completion])

@@ -233,7 +233,7 @@ PROMPTS = ["5=", "3917=", "12=", "804213=", "77="]  # different lengths: left pa
 )
 def test_sample_groups_logprobs_match_full_forward(model, tok, sampling):
     requests = [
-        GroupRequest(prompt_id=i, prompt_ids=_ids(tok, p), answer_ids=(), version=0, seeds=_seeds(i, 3))
+        GroupRequest(prompt_id=i, prompt_tokens=_ids(tok, p), answer_tokens=(), version=0, seeds=_seeds(i, 3))
         for i, p in enumerate(PROMPTS)
     ]
     groups = _sample(model, tok, requests, sampling)
@@ -244,7 +244,7 @@ def test_sample_groups_logprobs_match_full_forward(model, tok, sampling):
         assert len(group.completions) == len(group.logprobs) == len(group.finish_reasons) == 3
         for completion, logprobs in zip(group.completions, group.logprobs):
             assert len(completion) == len(logprobs) >= 1
-            expected = _reference_logprobs(model, request.prompt_ids, completion, sampling.temperature)
+            expected = _reference_logprobs(model, request.prompt_tokens, completion, sampling.temperature)
             torch.testing.assert_close(torch.tensor(logprobs, dtype=torch.float64), torch.tensor(expected, dtype=torch.float64), atol=1e-5, rtol=0)
             checked += len(completion)
     assert checked >= len(PROMPTS) * 3  # something was really compared
@@ -252,14 +252,14 @@ def test_sample_groups_logprobs_match_full_forward(model, tok, sampling):
 
 def test_sample_groups_independent_of_batch_composition(model, tok):
     sampling = SamplingParams(max_new_tokens=6, temperature=1.0)
-    target = GroupRequest(prompt_id=0, prompt_ids=_ids(tok, "3917="), answer_ids=(), version=0, seeds=_seeds(0, 4))
+    target = GroupRequest(prompt_id=0, prompt_tokens=_ids(tok, "3917="), answer_tokens=(), version=0, seeds=_seeds(0, 4))
     alone = _sample(model, tok, [target], sampling)[0]
 
     others = [
-        GroupRequest(prompt_id=1, prompt_ids=_ids(tok, "804213="), answer_ids=(), version=0, seeds=_seeds(1, 4)),
-        GroupRequest(prompt_id=2, prompt_ids=_ids(tok, "5="), answer_ids=(), version=0, seeds=_seeds(2, 4)),
+        GroupRequest(prompt_id=1, prompt_tokens=_ids(tok, "804213="), answer_tokens=(), version=0, seeds=_seeds(1, 4)),
+        GroupRequest(prompt_id=2, prompt_tokens=_ids(tok, "5="), answer_tokens=(), version=0, seeds=_seeds(2, 4)),
         # the same prompt and seeds under another id: must give the very same completions
-        GroupRequest(prompt_id=3, prompt_ids=target.prompt_ids, answer_ids=(), version=0, seeds=target.seeds),
+        GroupRequest(prompt_id=3, prompt_tokens=target.prompt_tokens, answer_tokens=(), version=0, seeds=target.seeds),
     ]
     batched = _sample(model, tok, [others[0], target, others[1], others[2]], sampling)
     reordered = _sample(model, tok, [others[2], others[1], target], sampling)
@@ -270,14 +270,14 @@ def test_sample_groups_independent_of_batch_composition(model, tok):
             torch.testing.assert_close(torch.tensor(a), torch.tensor(b), atol=1e-5, rtol=0)
 
     # other seeds give other completions (for at least some samples)
-    reseeded = GroupRequest(prompt_id=0, prompt_ids=target.prompt_ids, answer_ids=(), version=0, seeds=_seeds(0, 4, base=1))
+    reseeded = GroupRequest(prompt_id=0, prompt_tokens=target.prompt_tokens, answer_tokens=(), version=0, seeds=_seeds(0, 4, base=1))
     different = _sample(model, tok, [reseeded], sampling)[0]
     assert sum(a != b for a, b in zip(different.completions, alone.completions)) >= 1
 
 
 def test_sample_groups_samples_of_a_group_differ(model, tok):
     group_size = 8
-    request = GroupRequest(prompt_id=0, prompt_ids=_ids(tok, "3917="), answer_ids=(), version=0, seeds=_seeds(0, group_size))
+    request = GroupRequest(prompt_id=0, prompt_tokens=_ids(tok, "3917="), answer_tokens=(), version=0, seeds=_seeds(0, group_size))
     group = _sample(model, tok, [request], SamplingParams(max_new_tokens=6, temperature=1.0))[0]
     distinct = {tuple(c) for c in group.completions}
     # a near-uniform random model over 53 tokens: collisions of 6-token strings are very unlikely
@@ -292,7 +292,7 @@ def test_sample_groups_stopping(model, tok, extra_stops):
     max_new = 6
     sampling = SamplingParams(max_new_tokens=max_new, temperature=1.0, stop_token_ids=stop_ids)
     requests = [
-        GroupRequest(prompt_id=i, prompt_ids=_ids(tok, p), answer_ids=(), version=0, seeds=_seeds(i, 16))
+        GroupRequest(prompt_id=i, prompt_tokens=_ids(tok, p), answer_tokens=(), version=0, seeds=_seeds(i, 16))
         for i, p in enumerate(["5=", "3917=", "12=", "804213="] * 4)
     ]
     groups = _sample(model, tok, requests, sampling)
@@ -314,7 +314,7 @@ def test_sample_groups_stopping(model, tok, extra_stops):
 def _empirical(model, tok, prompt, sampling, n, requests=10):
     per = n // requests
     reqs = [
-        GroupRequest(prompt_id=i, prompt_ids=prompt, answer_ids=(), version=0, seeds=_seeds(i, per, base=99))
+        GroupRequest(prompt_id=i, prompt_tokens=prompt, answer_tokens=(), version=0, seeds=_seeds(i, per, base=99))
         for i in range(requests)
     ]
     counts = torch.zeros(len(tok), dtype=torch.float64)
@@ -652,8 +652,8 @@ def _trajectories(tok):
                 prompt_id=10 + i,
                 sample_index=i % 2,
                 version=3,
-                prompt_ids=list(_ids(tok, prompt)),
-                completion_ids=completion,
+                prompt_tokens=list(_ids(tok, prompt)),
+                completion_tokens=completion,
                 rollout_logprobs=[-0.1 * (j + 1) - i for j in range(len(completion))],
                 reward=0.25 * i,
                 advantage=advantage,
@@ -668,33 +668,33 @@ def test_collate_layout(tok, packing):
     trajectories = _trajectories(tok)
     # a second sample of prompt 10 arrives last: collate groups it next to its sibling
     sibling = copy.deepcopy(trajectories[0])
-    sibling.sample_index, sibling.completion_ids, sibling.rollout_logprobs = 1, [4, 1], [-2.0, -2.5]
+    sibling.sample_index, sibling.completion_tokens, sibling.rollout_logprobs = 1, [4, 1], [-2.0, -2.5]
     trajectories.append(sibling)
     batch = collate(trajectories, tok.pad_token_id, sample_offset=8, packing=packing)
     ordered = [trajectories[0], sibling, *trajectories[1:4]]
-    width = max(len(t.completion_ids) for t in ordered)
+    width = max(len(t.completion_tokens) for t in ordered)
     assert batch.completion_mask.shape == batch.rollout_logprobs.shape == (5, width)
     tokens = batch.tokens
     flat_inputs = tokens.input_ids.reshape(-1)
     for i, t in enumerate(ordered):
         labels = tokens.label_slots // width == i
-        assert tokens.label_targets[labels].tolist() == t.completion_ids
-        assert (tokens.label_slots[labels] % width).tolist() == list(range(len(t.completion_ids)))
+        assert tokens.label_targets[labels].tolist() == t.completion_tokens
+        assert (tokens.label_slots[labels] % width).tolist() == list(range(len(t.completion_tokens)))
         positions = tokens.label_positions[labels]
         # c[0] is predicted at the last prompt token, c[t] at the position holding c[t-1]
-        assert flat_inputs[positions[0]] == t.prompt_ids[-1]
-        assert flat_inputs[positions[1:]].tolist() == t.completion_ids[:-1]
-        assert batch.completion_mask[i].tolist() == [j < len(t.completion_ids) for j in range(width)]
-        torch.testing.assert_close(batch.rollout_logprobs[i, : len(t.completion_ids)], torch.tensor(t.rollout_logprobs))
+        assert flat_inputs[positions[0]] == t.prompt_tokens[-1]
+        assert flat_inputs[positions[1:]].tolist() == t.completion_tokens[:-1]
+        assert batch.completion_mask[i].tolist() == [j < len(t.completion_tokens) for j in range(width)]
+        torch.testing.assert_close(batch.rollout_logprobs[i, : len(t.completion_tokens)], torch.tensor(t.rollout_logprobs))
         assert torch.all(batch.rollout_logprobs[i][~batch.completion_mask[i]] == 0)
     if packing == "padded":
         assert tokens.attention is None and tokens.input_ids.shape[0] == 5
         for i, t in enumerate(ordered):
-            row = t.prompt_ids + t.completion_ids[:-1]
+            row = t.prompt_tokens + t.completion_tokens[:-1]
             assert tokens.input_ids[i, : len(row)].tolist() == row
     else:  # prompt 10 appears once for its two samples
         assert tokens.input_ids.shape[0] == 1
-        assert tokens.tokens_computed == sum(len(t.prompt_ids) for t in trajectories[:4]) + sum(len(t.completion_ids) - 1 for t in ordered)
+        assert tokens.tokens_computed == sum(len(t.prompt_tokens) for t in trajectories[:4]) + sum(len(t.completion_tokens) - 1 for t in ordered)
     torch.testing.assert_close(batch.advantages, torch.tensor([t.advantage for t in ordered]))
     torch.testing.assert_close(batch.rewards, torch.tensor([t.reward for t in ordered]))
     assert batch.truncated.tolist() == [t.truncated for t in ordered]
@@ -720,7 +720,7 @@ def test_module_completion_logprobs_match_plain_forward(model, tok, temperature,
         logp = module.completion_logprobs(model, batch)
     assert logp.shape == batch.completion_mask.shape
     for i, t in enumerate(trajectories):
-        expected = _reference_logprobs(model, t.prompt_ids, t.completion_ids, temperature)
+        expected = _reference_logprobs(model, t.prompt_tokens, t.completion_tokens, temperature)
         torch.testing.assert_close(logp[i][batch.completion_mask[i]].double(), torch.tensor(expected, dtype=torch.float64), atol=1e-5, rtol=0)
 
 
@@ -806,8 +806,10 @@ def test_cli_run_summary_metrics_and_hf_export(tmp_path, monkeypatch, capsys):
 def test_micro_batch_transfer_skips_the_walk_on_its_own_device_and_moves_everything_otherwise(model, tok):
     trajectories = _trajectories(tok)
     batch = collate(trajectories, tok.pad_token_id, sample_offset=0, packing="shared_prompt")
-    module = GRPOModule(model, GRPOObjective(), SHAPE, tokenizer=tok)
-    assert module.transfer_batch_to_device(batch, torch.device("cpu"), 0) is batch
-    moved = module.transfer_batch_to_device(batch, torch.device("meta"), 0)
+    from conftest import make_components
+
+    _, datamodule = make_components()
+    assert datamodule.transfer_batch_to_device(batch, torch.device("cpu"), 0) is batch
+    moved = datamodule.transfer_batch_to_device(batch, torch.device("meta"), 0)
     assert moved.advantages.is_meta and moved.tokens.input_ids.is_meta
     assert moved.tokens.attention.segment_ids.is_meta and moved.tokens.attention.buckets[0].allowed.is_meta

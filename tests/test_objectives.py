@@ -578,7 +578,7 @@ def _kl_batch(group_size=3, drop=None):
                 continue
             c = completions[prompt][k]
             trajectories.append(Trajectory(
-                prompt_id=prompt, sample_index=k, version=0, prompt_ids=[1, prompt], completion_ids=c,
+                prompt_id=prompt, sample_index=k, version=0, prompt_tokens=[1, prompt], completion_tokens=c,
                 rollout_logprobs=[-0.5] * len(c), reward=rewards[prompt][k], advantage=0.0, truncated=False,
                 shaped_reward=shaped[prompt][k],
             ))

@@ -182,12 +182,12 @@ def reference_sample_groups(
     stops = torch.tensor(sorted({eos_id, *sampling.stop_token_ids}), device=device)
 
     # prefill each prompt once (left-padded), then repeat its cache for the G samples
-    width = max(len(r.prompt_ids) for r in requests)
+    width = max(len(r.prompt_tokens) for r in requests)
     input_ids = torch.full((len(requests), width), pad_id, dtype=torch.long, device=device)
     attention = torch.zeros((len(requests), width), dtype=torch.long, device=device)
     for i, r in enumerate(requests):
-        input_ids[i, width - len(r.prompt_ids) :] = torch.tensor(r.prompt_ids, device=device)
-        attention[i, width - len(r.prompt_ids) :] = 1
+        input_ids[i, width - len(r.prompt_tokens) :] = torch.tensor(r.prompt_tokens, device=device)
+        attention[i, width - len(r.prompt_tokens) :] = 1
     positions = (attention.cumsum(-1) - 1).clamp(min=0)
     cache = DynamicCache(config=model.config)
     cache_kwargs = {_cache_keyword(model): cache, "use_cache": True}
@@ -358,7 +358,7 @@ def random_trajectories(rng: random.Random, n_prompts: int, group_size: int, pro
             completion = [rng.randrange(1, 50) for _ in range(rng.randint(1, 6))]
             out.append(
                 Trajectory(
-                    prompt_id=100 + p, sample_index=s, version=2, prompt_ids=list(prompt), completion_ids=completion,
+                    prompt_id=100 + p, sample_index=s, version=2, prompt_tokens=list(prompt), completion_tokens=completion,
                     rollout_logprobs=[-rng.expovariate(0.7) for _ in completion], reward=rng.random(),
                     advantage=rng.gauss(0, 1), truncated=rng.random() < 0.2, shaped_reward=rng.random(),
                     correct=rng.random() < 0.5, zero_variance=rng.random() < 0.1,
@@ -380,7 +380,7 @@ def test_collate_rollout_logprobs_identical(seed, packing):
         by_prompt.setdefault(t.prompt_id, []).append(t)
     ordered = [t for group in by_prompt.values() for t in group]
     assert_identical(batch.rollout_logprobs, reference_rollout_logprobs(ordered, batch.completion_mask.shape), "rollout_logprobs")
-    groups = [(g[0].prompt_ids, [t.completion_ids for t in g]) for g in by_prompt.values()]
+    groups = [(g[0].prompt_tokens, [t.completion_tokens for t in g]) for g in by_prompt.values()]
     assert_identical(batch.tokens, reference_pack(groups, 0, batch.tokens.attention is not None, max_row_tokens), "tokens")
 
 
@@ -388,7 +388,7 @@ def test_collate_rollout_logprobs_fallback_for_short_logprob_lists():
     """A trajectory with fewer log-probs than tokens keeps the old row-by-row fill (zeros after them)."""
     rng = random.Random(3)
     trajectories = random_trajectories(rng, 2, 3, (2, 5))
-    trajectories[1].completion_ids = trajectories[1].completion_ids + [7, 7]
+    trajectories[1].completion_tokens = trajectories[1].completion_tokens + [7, 7]
     batch = collate(trajectories, 0, 0, packing="padded")
     by_prompt: dict[int, list[Trajectory]] = {}
     for t in trajectories:
@@ -409,7 +409,7 @@ def sampling_model():
 def requests_for(rng: random.Random, n: int, group_size: int, vocab: int) -> list[GroupRequest]:
     return [
         GroupRequest(
-            prompt_id=pid, prompt_ids=tuple(rng.randrange(4, vocab) for _ in range(rng.randint(1, 9))), answer_ids=(5,),
+            prompt_id=pid, prompt_tokens=tuple(rng.randrange(4, vocab) for _ in range(rng.randint(1, 9))), answer_tokens=(5,),
             version=0, seeds=tuple(sample_seed(rng.randrange(1000), 0, pid, s) for s in range(group_size)),
         )
         for pid in range(n)

@@ -81,3 +81,29 @@ def test_every_cli_example_composes_and_builds(tmp_path, overrides):
         return
     module, datamodule, trainer = build(cfg)
     assert not datamodule.pool.health().started  # building starts nothing
+
+
+LIT_PARL = Path(sys.executable).parent / "lit-parl"
+
+
+def test_the_default_job_prints_no_warning_and_writes_one_directory(tmp_path):
+    """The CLI's console is the job's own: progress and summary, no library notice a user cannot act on."""
+    run_dir = tmp_path / "run"
+    result = subprocess.run([str(LIT_PARL), "iterations=2", f"run_dir={run_dir}"], cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    output = result.stdout + result.stderr
+    noise = [line for line in output.splitlines() if re.search(r"warn|deprecat|Tip:|Writing model shards|\.py:\d+: ", line, re.I)]
+    assert not noise, "\n".join(noise)
+    assert "lit_parl summary:" in result.stdout
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["run"], "a second directory was created"
+    assert {".hydra", "metrics.csv", "summary.json", "policy"} <= {p.name for p in run_dir.iterdir()}
+
+
+def test_help_and_cfg_job_still_work(tmp_path):
+    shown = subprocess.run([str(LIT_PARL), "--cfg", "job", "shape.group_size=16"], cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert shown.returncode == 0, shown.stderr[-2000:]
+    for line in ("_target_: lit_parl.RolloutDataModule", "_target_: lit_parl.IterationShape", "group_size: 16"):
+        assert line in shown.stdout, line
+    helped = subprocess.run([str(LIT_PARL), "--help"], cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert helped.returncode == 0 and "pool: hf, sglang, vllm" in helped.stdout, helped.stdout[-2000:]
+    assert list(tmp_path.iterdir()) == [], "--cfg job and --help must not create a run directory"

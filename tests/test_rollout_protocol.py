@@ -40,7 +40,7 @@ class InProcessPool(RolloutPool):
             completions, logprobs, reasons = [], [], []
             for seed in request.seeds:
                 generator = torch.Generator().manual_seed(seed)
-                tokens, values = list(request.prompt_ids), []
+                tokens, values = list(request.prompt_tokens), []
                 for _ in range(sampling.max_new_tokens):
                     logits = self.model(input_ids=torch.tensor([tokens])).logits[0, -1].float() / sampling.temperature
                     logp = logits.log_softmax(-1)
@@ -49,7 +49,7 @@ class InProcessPool(RolloutPool):
                     values.append(float(logp[token]))
                     if token in (self.eos_id, *sampling.stop_token_ids):
                         break
-                completion = tokens[len(request.prompt_ids):]
+                completion = tokens[len(request.prompt_tokens):]
                 completions.append(completion)
                 logprobs.append(values)
                 reasons.append("stop" if completion[-1] in (self.eos_id, *sampling.stop_token_ids) else "length")
@@ -104,7 +104,7 @@ def spec(tmp_path):
 
 
 def _requests(version: int) -> list[GroupRequest]:
-    return [GroupRequest(prompt_id=i, prompt_ids=(4, 5, 41), answer_ids=(4, 5), version=version, seeds=(1, 2)) for i in range(3)]
+    return [GroupRequest(prompt_id=i, prompt_tokens=(4, 5, 41), answer_tokens=(4, 5), version=version, seeds=(1, 2)) for i in range(3)]
 
 
 @pytest.mark.parametrize("fault, message", [

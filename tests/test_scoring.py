@@ -16,7 +16,7 @@ EOS = 1
 
 
 def _requests(n: int) -> dict[int, GroupRequest]:
-    return {i: GroupRequest(prompt_id=i, prompt_ids=(4, 5), answer_ids=(4 + i % 3, 5), version=0, seeds=(1, 2)) for i in range(n)}
+    return {i: GroupRequest(prompt_id=i, prompt_tokens=(4, 5), answer_tokens=(4 + i % 3, 5), version=0, seeds=(1, 2)) for i in range(n)}
 
 
 def _completions(n: int) -> list[GroupCompletions]:

@@ -51,8 +51,8 @@ def requests_for(version: int, prompts: int = 4, group_size: int = 4, first: int
         text, answer = task.make(prompt_id)
         out.append(GroupRequest(
             prompt_id=prompt_id,
-            prompt_ids=tuple(tokenizer(text, add_special_tokens=False).input_ids),
-            answer_ids=tuple(tokenizer(answer, add_special_tokens=False).input_ids),
+            prompt_tokens=tuple(tokenizer(text, add_special_tokens=False).input_ids),
+            answer_tokens=tuple(tokenizer(answer, add_special_tokens=False).input_ids),
             version=version,
             seeds=tuple(sample_seed(0, version, prompt_id, s) for s in range(group_size)),
         ))
@@ -157,7 +157,7 @@ def test_each_sync_method_serves_exactly_the_synced_weights(method, spec):
         assert all(type(g) is GroupCompletions for g in groups.values())  # unscored: the trainer scores
         request = requests_for(0)[0]
         for completion, logprobs in zip(groups[0].completions, groups[0].logprobs):
-            torch.testing.assert_close(torch.tensor(logprobs), trainer_logprobs(model, request.prompt_ids, completion, 0.7), atol=1e-4, rtol=0)
+            torch.testing.assert_close(torch.tensor(logprobs), trainer_logprobs(model, request.prompt_tokens, completion, 0.7), atol=1e-4, rtol=0)
         # distinct seeds within a group give distinct samples; the same seeds give the same samples
         assert len({tuple(c) for g in groups.values() for c in g.completions}) > 4
         again = {g.prompt_id: g for g in pool.generate(requests_for(0), SAMPLING)}
@@ -169,8 +169,8 @@ def test_each_sync_method_serves_exactly_the_synced_weights(method, spec):
         after = {g.prompt_id: g for g in pool.generate(requests_for(1), SAMPLING)}
         assert {g.version for g in after.values()} == {1}
         for completion, logprobs in zip(after[0].completions, after[0].logprobs):
-            torch.testing.assert_close(torch.tensor(logprobs), trainer_logprobs(changed, request.prompt_ids, completion, 0.7), atol=1e-4, rtol=0)
-            assert not torch.allclose(torch.tensor(logprobs), trainer_logprobs(model, request.prompt_ids, completion, 0.7), atol=1e-3)
+            torch.testing.assert_close(torch.tensor(logprobs), trainer_logprobs(changed, request.prompt_tokens, completion, 0.7), atol=1e-4, rtol=0)
+            assert not torch.allclose(torch.tensor(logprobs), trainer_logprobs(model, request.prompt_tokens, completion, 0.7), atol=1e-3)
     finally:
         pool.close()
     assert not any(alive(p) for p in pids)
@@ -368,7 +368,7 @@ def test_generation_through_sglang_router(spec):
         assert sorted(groups) == list(range(6)) and {g.version for g in groups.values()} == {0}
         request = requests_for(0)[0]
         for completion, logprobs in zip(groups[0].completions, groups[0].logprobs):
-            torch.testing.assert_close(torch.tensor(logprobs), trainer_logprobs(model, request.prompt_ids, completion, 0.7), atol=1e-4, rtol=0)
+            torch.testing.assert_close(torch.tensor(logprobs), trainer_logprobs(model, request.prompt_tokens, completion, 0.7), atol=1e-4, rtol=0)
     finally:
         pool.close()
     assert not any(alive(p) for p in pids)

@@ -10,7 +10,7 @@ Example::
     >>> from lit_parl.objectives import GRPOObjective
     >>> from lit_parl.trajectory import Group, GroupRequest
     >>> acceptor = GroupAcceptor(GRPOObjective(), group_size=2, max_new_tokens=4)
-    >>> waiting = {0: GroupRequest(prompt_id=0, prompt_ids=(5, 3), answer_ids=(5,), version=1, seeds=(1, 2))}
+    >>> waiting = {0: GroupRequest(prompt_id=0, prompt_tokens=(5, 3), answer_tokens=(5,), version=1, seeds=(1, 2))}
     >>> group = Group(0, 1, [0, 1], [[5, 1], [6, 1]], [[-0.1, -0.2], [-0.3, -0.1]], [1.0, 0.0], ["stop", "stop"])
     >>> [round(t.advantage, 3) for t in acceptor.accept(group, waiting, version=1)]
     [0.707, -0.707]
@@ -78,7 +78,7 @@ class GroupAcceptor:
         shaped = self.advantages.shape_rewards(rewards, lengths, truncated, self.max_new_tokens)
         advantages = self.advantages.advantages(shaped)
         zero_variance = bool(torch.all(shaped == shaped[0]))
-        prompt_ids = list(request.prompt_ids)  # from our own schedule, never from the pool
+        prompt_tokens = list(request.prompt_tokens)  # from our own schedule, never from the pool
         # plain Python numbers, converted once per group (element-wise tensor reads cost microseconds each)
         reward_list, advantage_list, shaped_list, truncated_list = rewards.tolist(), advantages.tolist(), shaped.tolist(), truncated.tolist()
         return [
@@ -86,8 +86,8 @@ class GroupAcceptor:
                 prompt_id=group.prompt_id,
                 sample_index=sample,
                 version=group.version,
-                prompt_ids=prompt_ids,
-                completion_ids=list(group.completions[k]),
+                prompt_tokens=prompt_tokens,
+                completion_tokens=list(group.completions[k]),
                 rollout_logprobs=list(group.logprobs[k]),
                 reward=reward_list[k],
                 advantage=advantage_list[k],

@@ -98,7 +98,7 @@ class IterationBatcher:
                 slot = slot_of.get(group.prompt_id, -1)
                 trajectories = self.acceptor.accept(group, waiting, version)
                 stats.completions += G
-                stats.completion_tokens += sum(len(t.completion_ids) for t in trajectories)
+                stats.completion_tokens += sum(len(t.completion_tokens) for t in trajectories)
                 stats.reward_sum += float(torch.tensor(group.rewards, dtype=torch.float32).sum())  # as summed since the first release
                 if not waiting:  # drain the stream now, so no exchange with the pool runs after the final yield
                     for extra in groups:

@@ -68,8 +68,8 @@ class PromptSchedule:
         return {
             prompt_id: GroupRequest(
                 prompt_id=prompt_id,
-                prompt_ids=tokens[prompt_id][0],
-                answer_ids=tokens[prompt_id][1],
+                prompt_tokens=tokens[prompt_id][0],
+                answer_tokens=tokens[prompt_id][1],
                 version=version,
                 seeds=tuple(sample_seed(self.seed, version, prompt_id, k) for k in range(self.group_size)),
             )

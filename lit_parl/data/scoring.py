@@ -13,7 +13,7 @@ Example::
     >>> from lit_parl.tasks import CopyTask
     >>> from lit_parl.trajectory import GroupCompletions, GroupRequest
     >>> scorer = GroupScorer(CopyTask(), eos_id=1, workers=1)
-    >>> request = GroupRequest(prompt_id=0, prompt_ids=(5, 6, 3), answer_ids=(5, 6), version=0, seeds=(1, 2))
+    >>> request = GroupRequest(prompt_id=0, prompt_tokens=(5, 6, 3), answer_tokens=(5, 6), version=0, seeds=(1, 2))
     >>> done = GroupCompletions(0, 0, [0, 1], [[5, 6, 1], [5, 1]], [[0.0] * 3, [0.0] * 2], ["stop", "stop"])
     >>> [group.rewards for group in scorer.stream(iter([done]), {0: request})]
     [[1.0, 0.3333333333333333]]
@@ -61,7 +61,7 @@ class GroupScorer:
 
     def score(self, request: GroupRequest, completions: GroupCompletions) -> Group:
         """One group's rewards, in the calling thread."""
-        answer = list(request.answer_ids)
+        answer = list(request.answer_tokens)
         return completions.scored([float(self.reward_fn.reward(answer, c, self.eos_id)) for c in completions.completions])
 
     def stream(self, groups: Iterator[GroupCompletions], requests: dict[int, GroupRequest]) -> Iterator[Group]:

@@ -33,7 +33,7 @@ trains with one like it)::
     ...     def _sync_weights(self, buckets, version): self.held = version; [b for b in buckets]
     ...     def _generate(self, requests, sampling):
     ...         for r in requests:
-    ...             tokens = [list(r.prompt_ids[:1]) + [self.eos] for _ in r.seeds]
+    ...             tokens = [list(r.prompt_tokens[:1]) + [self.eos] for _ in r.seeds]
     ...             yield GroupCompletions(r.prompt_id, self.held, list(range(r.group_size)), tokens,
     ...                                    [[0.0] * len(t) for t in tokens], ["stop"] * r.group_size)
     ...     def _worker_counts(self): return (1, 1)
@@ -41,7 +41,7 @@ trains with one like it)::
     >>> pool = EchoPool()
     >>> pool.start(PoolSpec(model_dir="unused", eos_id=1, pad_id=0))
     >>> pool.sync_weights([[("w", torch.zeros(1))]], version=0)
-    >>> request = GroupRequest(prompt_id=7, prompt_ids=(4, 5), answer_ids=(4,), version=0, seeds=(1, 2))
+    >>> request = GroupRequest(prompt_id=7, prompt_tokens=(4, 5), answer_tokens=(4,), version=0, seeds=(1, 2))
     >>> [(g.prompt_id, g.completions) for g in pool.generate([request], SamplingParams())]
     [(7, [[4, 1], [4, 1]])]
     >>> pool.health().version, pool.health().started

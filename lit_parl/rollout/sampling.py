@@ -74,12 +74,12 @@ def sample_groups(
     stops = torch.tensor(sorted({eos_id, *sampling.stop_token_ids}), device=device)
 
     # prefill each prompt once (left-padded), then repeat its cache for the G samples
-    width = max(len(r.prompt_ids) for r in requests)
+    width = max(len(r.prompt_tokens) for r in requests)
     input_ids = torch.full((len(requests), width), pad_id, dtype=torch.long, device=device)
     attention = torch.zeros((len(requests), width), dtype=torch.long, device=device)
     for i, r in enumerate(requests):
-        input_ids[i, width - len(r.prompt_ids) :] = torch.tensor(r.prompt_ids, device=device)
-        attention[i, width - len(r.prompt_ids) :] = 1
+        input_ids[i, width - len(r.prompt_tokens) :] = torch.tensor(r.prompt_tokens, device=device)
+        attention[i, width - len(r.prompt_tokens) :] = 1
     positions = (attention.cumsum(-1) - 1).clamp(min=0)
     cache = DynamicCache(config=model.config)
     cache_kwargs = {_cache_keyword(model): cache, "use_cache": True}

@@ -37,7 +37,7 @@ files, a model with head size 32 such as ``tiny_qwen2(hidden_size=128, intermedi
     pool = VLLMRolloutPool()
     pool.start(PoolSpec(model_dir, eos_id=tok.eos_token_id, pad_id=tok.pad_token_id))
     pool.sync_weights([list(model.named_parameters())], version=0)
-    request = GroupRequest(prompt_id=0, prompt_ids=(4, 5, 41), answer_ids=(4, 5), version=0, seeds=(1, 2))
+    request = GroupRequest(prompt_id=0, prompt_tokens=(4, 5, 41), answer_tokens=(4, 5), version=0, seeds=(1, 2))
     [g.prompt_id for g in pool.generate([request], SamplingParams(max_new_tokens=4))]  # [0]
     pool.close()
 """

@@ -96,7 +96,7 @@ class VLLMEngine:
                     detokenize=False,
                     output_kind=RequestOutputKind.FINAL_ONLY,  # one output per request, when it has finished
                 )
-                self.engine.add_request(f"{r.prompt_id}/{index}", _token_prompt(r.prompt_ids), params)
+                self.engine.add_request(f"{r.prompt_id}/{index}", _token_prompt(r.prompt_tokens), params)
         while self.engine.has_unfinished_requests():
             for output in self.engine.step():
                 if not output.finished:
@@ -145,9 +145,9 @@ def _check_head_size(config) -> None:
         )
 
 
-def _token_prompt(prompt_ids: tuple[int, ...]):
+def _token_prompt(prompt_tokens: tuple[int, ...]):
     try:  # an engine input: the token ids go straight to the engine, with no rendering step
         from vllm.inputs import tokens_input
     except ImportError:  # vLLM releases before engine inputs
         from vllm.inputs import TokensPrompt as tokens_input
-    return tokens_input(prompt_token_ids=list(prompt_ids))
+    return tokens_input(prompt_token_ids=list(prompt_tokens))

@@ -86,8 +86,8 @@ def group_requests(tokenizer, version: int, prompts: range, group_size: int = 4,
         prompt, answer = task.make(prompt_id)
         requests.append(GroupRequest(
             prompt_id=prompt_id,
-            prompt_ids=tuple(tokenizer(prompt, add_special_tokens=False).input_ids),
-            answer_ids=tuple(tokenizer(answer, add_special_tokens=False).input_ids),
+            prompt_tokens=tuple(tokenizer(prompt, add_special_tokens=False).input_ids),
+            answer_tokens=tuple(tokenizer(answer, add_special_tokens=False).input_ids),
             version=version,
             seeds=tuple(sample_seed(run_seed, version, prompt_id, s) for s in range(group_size)),
         ))
@@ -103,7 +103,7 @@ def trainer_logprobs(model, prompt_ids, completions, temperature: float) -> list
 
 
 def max_logprob_gap(model, requests, groups, temperature: float) -> float:
-    prompts = {r.prompt_id: r.prompt_ids for r in requests}
+    prompts = {r.prompt_id: r.prompt_tokens for r in requests}
     gaps = []
     for group in groups:
         expected = trainer_logprobs(model, prompts[group.prompt_id], group.completions, temperature)
@@ -153,7 +153,7 @@ def test_distinct_seeds_give_distinct_samples_and_a_seed_reproduces_its_sample(s
     sampling = SamplingParams(max_new_tokens=MAX_NEW)
     target = group_requests(tokenizer, version, range(7, 8), group_size=8)[0]
     a, b = target.seeds[:2]
-    repeated = GroupRequest(prompt_id=99, prompt_ids=target.prompt_ids, answer_ids=target.answer_ids, version=version, seeds=(a, b) * 4)  # one group size per call
+    repeated = GroupRequest(prompt_id=99, prompt_tokens=target.prompt_tokens, answer_tokens=target.answer_tokens, version=version, seeds=(a, b) * 4)  # one group size per call
 
     alone = by_prompt(pool.generate([target, repeated], sampling))
     crowded = by_prompt(pool.generate([*group_requests(tokenizer, version, range(20, 26), group_size=8), target, repeated], sampling))
@@ -206,9 +206,9 @@ def test_with_top_k_the_logprobs_are_of_the_filtered_distribution(started):
     differs = 0.0
     for request in requests:
         for completion, logprobs in zip(groups[request.prompt_id].completions, groups[request.prompt_id].logprobs):
-            ids = torch.tensor([[*request.prompt_ids, *completion]])
+            ids = torch.tensor([[*request.prompt_tokens, *completion]])
             with torch.no_grad():
-                logits = model(ids).logits[0, len(request.prompt_ids) - 1 : -1]
+                logits = model(ids).logits[0, len(request.prompt_tokens) - 1 : -1]
             top = logits.topk(k, dim=-1)
             for t, token in enumerate(completion):
                 assert token in top.indices[t].tolist(), "a token outside the top-k was sampled"
@@ -226,7 +226,7 @@ def test_a_sync_changes_the_outputs_to_the_new_models_and_back(started):
     prompts = [tuple(torch.randint(3, 53, (300,), generator=generator).tolist()) for _ in range(3)]
 
     def requests(version):
-        return [GroupRequest(prompt_id=i, prompt_ids=p, answer_ids=(4, 5), version=version, seeds=(11, 12, 13, 14)) for i, p in enumerate(prompts)]
+        return [GroupRequest(prompt_id=i, prompt_tokens=p, answer_tokens=(4, 5), version=version, seeds=(11, 12, 13, 14)) for i, p in enumerate(prompts)]
 
     sampling = SamplingParams(max_new_tokens=MAX_NEW)
     old_version = sync(pool, model)

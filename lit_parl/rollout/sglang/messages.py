@@ -28,7 +28,7 @@ def sample_payload(request: GroupRequest, index: int, sampling: SamplingParams, 
         "no_stop_trim": True,  # keep the stop token: the trainer scores and trains on it
         "sampling_seed": request.seeds[index],
     }
-    return {"input_ids": list(request.prompt_ids), "sampling_params": params, "return_logprob": True}
+    return {"input_ids": list(request.prompt_tokens), "sampling_params": params, "return_logprob": True}
 
 
 def abort_reason(answer) -> str | None:
