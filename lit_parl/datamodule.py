@@ -7,29 +7,14 @@ in ``setup``, closed in ``teardown`` or when the fit fails); each part has one j
 
 - ``PromptSchedule``: which prompts, their tokens and seeds; the cursor a resume needs;
 - ``VersionGate``: the version that may generate now, opened by ``WeightSync`` through ``open_iteration``;
-- ``GroupScorer``: rewards in their own executor; ``GroupAcceptor``: checks and advantages;
+- ``GroupScorer``: rewards (inline, or on threads of its own); ``GroupAcceptor``: checks and advantages;
 - ``IterationBatcher``: micro-batches, each marked where an optimizer step falls.
 
-Example (``tests/test_readme.py`` runs the README's version of this as a script)::
-
-    import lightning
-    from lit_parl import GRPOModule, GRPOObjective, IterationShape, RolloutDataModule, tiny_qwen2
-    from lit_parl.callbacks import WeightSync
-    from lit_parl.rollout import HFRolloutPool
-    from lit_parl.tasks import CopyTask
-
-    if __name__ == "__main__":  # the pool spawns processes, which re-import this script
-        policy, tokenizer = tiny_qwen2()
-        shape, objective = IterationShape(prompts=8, group_size=4, micro_batch_size=16), GRPOObjective()
-        module = GRPOModule(policy, objective, shape, tokenizer=tokenizer)
-        data = RolloutDataModule(CopyTask(), HFRolloutPool(), tokenizer, shape, objective, initial_model=policy)
-        lightning.Trainer(max_epochs=3, callbacks=[WeightSync()]).fit(module, datamodule=data)
+In use: the README's "Components without the CLI" script (run as a script by ``tests/test_readme.py``).
 """
 
 from __future__ import annotations
 
-import shutil
-import tempfile
 import time
 
 import torch
@@ -41,6 +26,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from lit_parl.data.acceptor import Advantages, GroupAcceptor
 from lit_parl.data.batcher import IterationBatcher
 from lit_parl.data.gate import OffPolicyError, VersionGate
+from lit_parl.data.model_dir import InitialModelDir
 from lit_parl.data.prefetch import prefetched
 from lit_parl.data.schedule import PromptSchedule
 from lit_parl.data.scoring import GroupScorer
@@ -112,7 +98,7 @@ class RolloutDataModule(LightningDataModule):
         if not isinstance(pool, RolloutPool):
             raise TypeError(f"RolloutDataModule(pool={type(pool).__name__}): a pool subclasses lit_parl.rollout.RolloutPool")
         self.task, self.pool, self.tokenizer, self.shape, self.mode = task, pool, tokenizer, shape, mode
-        self.objective, self.initial_model = objective, initial_model
+        self.objective = objective
         self.sampling = sampling if isinstance(sampling, SamplingParams) else SamplingParams(**(sampling or {}))
         self.packing = packing if isinstance(packing, Packing) else Packing(**(packing or {}))
         self.max_sampling_rounds, self.prefetch, self.trainer_threads = max_sampling_rounds, prefetch, trainer_threads
@@ -122,7 +108,7 @@ class RolloutDataModule(LightningDataModule):
         self.iterations_done = 0
         self.history: list[IterationStats] = []
         self._use_prefetch = bool(prefetch)
-        self._model_dir: str | None = None  # a temporary save of initial_model, removed at the end
+        self._model_dir = InitialModelDir(initial_model, tokenizer)  # what the pool's engines start from
 
     # -- Lightning hooks -------------------------------------------------------------------------------
     def setup(self, stage: str) -> None:
@@ -137,7 +123,7 @@ class RolloutDataModule(LightningDataModule):
             torch.set_num_threads(max(1, torch.get_num_threads() - self.pool.reserved_cpus(colocated)))
         if not self.pool.health().started:
             eos, pad = self.tokenizer.eos_token_id, self.tokenizer.pad_token_id
-            self.pool.start(PoolSpec(self._saved_model_dir(), eos, pad, colocated))
+            self.pool.start(PoolSpec(self._model_dir.path(), eos, pad, colocated))
 
     def teardown(self, stage: str) -> None:
         self._release()
@@ -211,17 +197,7 @@ class RolloutDataModule(LightningDataModule):
         self.iterations_done += 1
         self.gate.close()
 
-    def _saved_model_dir(self) -> str:
-        if isinstance(self.initial_model, (str, bytes)) or hasattr(self.initial_model, "__fspath__"):
-            return str(self.initial_model)
-        self._model_dir = tempfile.mkdtemp(prefix="lit_parl_initial_")
-        self.initial_model.save_pretrained(self._model_dir, safe_serialization=True)
-        self.tokenizer.save_pretrained(self._model_dir)
-        return self._model_dir
-
     def _release(self) -> None:
         self.pool.close()
         self.scorer.close()
-        if self._model_dir is not None:
-            shutil.rmtree(self._model_dir, ignore_errors=True)
-            self._model_dir = None
+        self._model_dir.remove()

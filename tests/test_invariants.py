@@ -165,7 +165,7 @@ def test_no_request_reaches_the_pool_before_it_holds_the_new_version():
 def test_the_pool_itself_refuses_requests_for_a_version_it_does_not_hold(hf_pool):
     """The gate is enforced inside the pool, and inside each worker, not only by the trainer."""
     module, data = make_components(pool=hf_pool)
-    hf_pool.start(PoolSpec(data._saved_model_dir(), data.tokenizer.eos_token_id, data.tokenizer.pad_token_id))
+    hf_pool.start(PoolSpec(data._model_dir.path(), data.tokenizer.eos_token_id, data.tokenizer.pad_token_id))
     hf_pool.sync_weights([list(module.policy.named_parameters())], version=0)
     ahead = list(data.schedule.requests(list(range(8)), version=1).values())
     with pytest.raises(RuntimeError, match=r"version gate: requests for policy version\(s\) \[1\] reached a pool holding version 0"):
