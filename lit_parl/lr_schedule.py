@@ -10,6 +10,8 @@ Example::
     ...     rates.append(round(optimizer.param_groups[0]["lr"], 3)); optimizer.step(); scheduler.step()
     >>> rates
     [0.5, 1.0, 1.0, 0.854, 0.5, 0.146]
+    >>> WarmupSchedule()(optimizer) is None  # constant without warmup: no scheduler to step
+    True
 """
 
 from __future__ import annotations
@@ -45,7 +47,10 @@ class WarmupSchedule:
         if self.warmup_steps < 0:
             raise ValueError(f"WarmupSchedule(warmup_steps={self.warmup_steps}) must be >= 0")
 
-    def __call__(self, optimizer: torch.optim.Optimizer, total_steps: int | None = None) -> torch.optim.lr_scheduler.LambdaLR:
+    def __call__(self, optimizer: torch.optim.Optimizer, total_steps: int | None = None) -> torch.optim.lr_scheduler.LambdaLR | None:
+        """The scheduler; ``None`` when the rate never changes (constant, no warmup): nothing to step."""
+        if self.decay == "constant" and self.warmup_steps == 0:
+            return None
         total = self.total_steps or total_steps
         if self.decay == "cosine" and not total:
             raise ValueError(

@@ -62,8 +62,9 @@ class GRPOModule(LightningModule):
         tokenizer: saved beside the policy by ``HFExport``; not used for training.
         optimizer: ``params -> Optimizer`` (e.g. ``functools.partial(torch.optim.AdamW, lr=5e-4,
             weight_decay=0.0)``, the default).
-        lr_schedule: ``(optimizer, total_steps) -> LRScheduler`` stepped after every optimizer step
-            (``lit_parl.lr_schedule.WarmupSchedule``); ``None``: a constant learning rate.
+        lr_schedule: ``(optimizer, total_steps) -> LRScheduler | None`` stepped after every optimizer step
+            (``lit_parl.lr_schedule.WarmupSchedule``); ``None`` (or a schedule returning None): a constant
+            learning rate.
         max_grad_norm: clip the gradient's global norm to this (``None``: no clipping).
         temperature: the sampling temperature: log-probs are computed from logits / T, as sampled.
         attention_backend: shared-prompt attention backend (``auto`` picks the best for the device).
@@ -115,12 +116,13 @@ class GRPOModule(LightningModule):
     # -- Lightning hooks -------------------------------------------------------------------------------
     def configure_optimizers(self):
         optimizer = self.optimizer_factory(self.policy.parameters())
-        if self.lr_schedule is None:
-            return optimizer
         epochs = self.trainer.max_epochs if self.trainer is not None else None
         total_steps = epochs * self.shape.optimizer_steps if epochs and epochs > 0 else None
+        scheduler = self.lr_schedule(optimizer, total_steps) if self.lr_schedule is not None else None
+        if scheduler is None:  # a constant learning rate: nothing to step
+            return optimizer
         # stepped by _optimizer_step (manual optimisation): Lightning's interval settings do not apply
-        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": self.lr_schedule(optimizer, total_steps), "interval": "step"}}
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
     def on_fit_start(self) -> None:
         self._backend = resolve_backend(self.attention_backend, self.device)

@@ -276,3 +276,22 @@ def test_resume_from_a_checkpoint_continues_exactly(tmp_path):
     assert data.schedule.cursor == 4 * PROMPTS and data.iterations_done == 4
     assert_same_weights(resumed.policy, straight.policy)
     assert_same_weights(resumed.reference, straight.reference)  # θ_0 survives the checkpoint
+
+
+def test_the_learning_rate_schedule_is_stepped_once_per_optimizer_step():
+    """Manual optimisation: the module steps the schedule itself, after each optimizer step."""
+    from lit_parl import WarmupSchedule
+
+    rates = []
+
+    class Rates(Callback):
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            rates.append(pl_module.optimizers().param_groups[0]["lr"])
+
+    module, data = components(GRPOObjective(), ScriptedPool(), micro_batch_size=16, mini_batches=2,
+                              optimizer=functools.partial(torch.optim.SGD, lr=0.4),
+                              lr_schedule=WarmupSchedule(warmup_steps=2, decay="cosine"))
+    lightning.Trainer(max_epochs=2, callbacks=[WeightSync(), Rates()], logger=False, enable_checkpointing=False,
+                      enable_progress_bar=False, enable_model_summary=False).fit(module, datamodule=data)
+    # 2 iterations x 2 optimizer steps = 4 steps (the fit's length, from max_epochs); one micro-batch per step
+    assert [round(r, 6) for r in rates] == [0.2, 0.4, 0.4, 0.2]  # warmup 1/2, 2/2; cosine at 0, then half way

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import random
 
-import lightning
 import pytest
 import torch
 from lightning.pytorch import Callback

@@ -6,7 +6,6 @@ per-sample seeds and log-probs, retries when a server dies, clear errors, and a 
 from __future__ import annotations
 
 import json
-import os
 import socket
 import subprocess
 import sys

@@ -4,15 +4,19 @@ Every backend launches processes (spawned workers, inference servers); none may 
 whether it closes the pool, fails, or is SIGKILLed. These helpers are the Linux side of that promise:
 ``die_with_parent`` (the kernel kills a child whose parent died), the descendants of a process read from
 ``/proc`` (an engine may start processes of its own, which are re-parented once it has gone), and
-``stop_workers``, which asks spawned workers to stop and kills what is left.
+``stop_workers``, which asks spawned workers to stop and kills what is left. And one check for when a
+spawned worker dies at once: ``unguarded_main_script`` (spawned workers import the user's script again).
 """
 
 from __future__ import annotations
 
 import ctypes
 import os
+import re
 import signal
+import sys
 import time
+from pathlib import Path
 
 
 def die_with_parent() -> None:
@@ -81,3 +85,15 @@ def stop_workers(processes: list, inboxes: list, grace_s: float = 5.0) -> None:
             process.kill()
             process.join(timeout=5.0)
     kill_if_same(leftovers)
+
+
+def unguarded_main_script() -> str | None:
+    """The path of the ``__main__`` script if it has no ``if __name__ == "__main__":`` guard, else None."""
+    path = getattr(sys.modules.get("__main__"), "__file__", None)
+    try:
+        source = Path(path).read_text() if path else None
+    except (OSError, UnicodeDecodeError):
+        return None
+    if source is None or re.search(r"""__name__\s*==\s*['"]__main__['"]|['"]__main__['"]\s*==\s*__name__""", source):
+        return None
+    return path

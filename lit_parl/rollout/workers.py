@@ -16,22 +16,19 @@ from __future__ import annotations
 
 import os
 import queue
-import re
 import signal
-import sys
 import time
 import traceback
 import weakref
 from abc import abstractmethod
 from collections.abc import Callable, Iterable, Iterator
-from pathlib import Path
 from typing import ClassVar, Protocol
 
 import torch
 import torch.multiprocessing as mp
 
 from lit_parl.rollout.base import PoolSpec, RolloutPool, WeightBucket
-from lit_parl.rollout.processes import die_with_parent, stop_workers
+from lit_parl.rollout.processes import die_with_parent, stop_workers, unguarded_main_script
 from lit_parl.trajectory import GroupCompletions, GroupRequest, SamplingParams
 
 _SPAWN = mp.get_context("spawn")  # a forked worker would inherit the trainer's threads and locks
@@ -129,7 +126,7 @@ class SpawnedWorkerPool(RolloutPool):
             try:
                 kind, worker_id, *_ = self._receive(self.start_timeout_s, "starting")
             except RuntimeError as error:
-                script = _unguarded_main_script()
+                script = unguarded_main_script()
                 if script is None:
                     raise
                 raise RuntimeError(
@@ -243,18 +240,6 @@ class SpawnedWorkerPool(RolloutPool):
             if message[0] in ("group", "done") and message[2] != call:
                 continue  # left over from a generate call whose consumer stopped early
             return message
-
-
-def _unguarded_main_script() -> str | None:
-    """The path of the ``__main__`` script if it has no ``if __name__ == "__main__":`` guard, else None."""
-    path = getattr(sys.modules.get("__main__"), "__file__", None)
-    try:
-        source = Path(path).read_text() if path else None
-    except (OSError, UnicodeDecodeError):
-        return None
-    if source is None or re.search(r"""__name__\s*==\s*['"]__main__['"]|['"]__main__['"]\s*==\s*__name__""", source):
-        return None
-    return path
 
 
 # -- the worker side ---------------------------------------------------------------------------------------
