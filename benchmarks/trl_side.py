@@ -119,7 +119,7 @@ def main(argv=None) -> dict:
         max_steps=args.steps,
         num_iterations=1,  # one pass: on-policy, old log-probs = current (TRL skips their forward)
         shuffle_dataset=False,
-        # sampling: lit_parl conf/rollout/hf.yaml
+        # sampling: lit_parl conf/config.yaml (sampling)
         max_completion_length=args.max_new_tokens,
         temperature=1.0,
         top_p=1.0,

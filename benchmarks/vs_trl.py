@@ -81,7 +81,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 BENCH = ROOT / "benchmarks"
 
-# the default job's sizes (conf/model/tiny_qwen2.yaml) and settings (conf/rollout/hf.yaml, conf/algorithm/grpo.yaml)
+# the default job's sizes (conf/model/tiny_qwen2.yaml) and settings (conf/config.yaml, conf/pool/hf.yaml, conf/algorithm/grpo.yaml)
 MODEL = dict(hidden_size=128, num_layers=2, num_heads=4, num_kv_heads=4, intermediate_size=512)
 PROMPTS_PER_STEP, GROUP_SIZE, MICRO_BATCH, MAX_NEW_TOKENS, LR, BETA = 32, 8, 64, 6, 5e-4, 0.0
 WORKLOADS = {"a": "copy task (default job)", "b": "copy task + shared preamble"}

@@ -124,7 +124,7 @@ class MicroBatch:
     sample_offset: int = 0  # samples of this pass over the iteration trained before this micro-batch
     ends_step: bool = True  # an optimizer step follows this micro-batch (the end of a mini-batch)
     group_size: int = 0
-    pass_index: int = 0  # which pass over the iteration's samples (several with algorithm.passes > 1)
+    pass_index: int = 0  # which pass over the iteration's samples (several with IterationShape.passes > 1)
 
     @property
     def size(self) -> int:

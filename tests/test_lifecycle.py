@@ -482,3 +482,16 @@ def test_openmp_threads_sleep_when_idle_unless_the_user_says_otherwise():
     assert subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True).stdout.strip() == "PASSIVE"
     env["OMP_WAIT_POLICY"] = "ACTIVE"
     assert subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True).stdout.strip() == "ACTIVE"
+
+
+@pytest.mark.parametrize("logger", ["csv", "tensorboard", "wandb", "mlflow"])
+def test_each_logger_builds_or_names_the_extra_to_install(tmp_path, logger):
+    import importlib.util
+
+    package = {"csv": None, "tensorboard": "tensorboard", "wandb": "wandb", "mlflow": "mlflow"}[logger]
+    if package is None or importlib.util.find_spec(package) is not None:
+        module, datamodule, trainer = _compose_and_build(tmp_path, [f"logger={logger}"])
+        assert type(trainer.logger).__name__.lower().startswith(logger)
+    else:
+        with pytest.raises(ImportError, match=rf"logger={logger} needs its package: pip install 'lit-parl\[{logger}\]'"):
+            _compose_and_build(tmp_path, [f"logger={logger}"])

@@ -141,7 +141,7 @@ def _check_head_size(config) -> None:
         raise ValueError(
             f"vLLM's CPU attention supports head sizes {supported}, but this model's is {head_size} "
             f"(hidden_size {config.hidden_size} / {config.num_attention_heads} heads). For the tiny default, "
-            "use model.hidden_size=128 with 4 heads (the conf default)."
+            "use tiny_qwen2(hidden_size=128, num_heads=4), the config's default (model.hidden_size on the command line)."
         )
 
 

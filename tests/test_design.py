@@ -1,0 +1,69 @@
+"""docs/design.md's import layers hold: a module never imports from a higher layer, and the callbacks
+import nothing of lit_parl's data path."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# the layers of docs/design.md, section 5 (a module's layer is that of its longest matching prefix)
+LAYERS = {
+    "lit_parl.trajectory": 1, "lit_parl.kernels": 1, "lit_parl.tokenizer": 1, "lit_parl.tasks": 1,
+    "lit_parl.objectives": 1, "lit_parl.model": 1, "lit_parl.lr_schedule": 1,
+    "lit_parl.rollout": 2,
+    "lit_parl.data": 3,
+    "lit_parl.module": 4, "lit_parl.datamodule": 4,
+    "lit_parl.cli": 5, "lit_parl.__main__": 5,
+}
+
+
+def _layer(module: str) -> int | None:
+    matches = [name for name in LAYERS if module == name or module.startswith(name + ".")]
+    return LAYERS[max(matches, key=len)] if matches else None
+
+
+def _sources() -> dict[str, Path]:
+    found = {}
+    for folder, package in ((ROOT / "lit_parl", "lit_parl"), (ROOT / "kernels", "lit_parl.kernels"), (ROOT / "callbacks", "lit_parl.callbacks")):
+        for path in folder.rglob("*.py"):
+            parts = path.relative_to(folder).with_suffix("").parts
+            name = ".".join((package, *parts)).removesuffix(".__init__")
+            found[name] = path
+    return found
+
+
+def _imports(path: Path, name: str) -> set[str]:
+    imported = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            imported |= {alias.name for alias in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:  # relative: resolve against the module's package
+                package = name.split(".") if path.name == "__init__.py" else name.split(".")[:-1]
+                base = package[: len(package) - (node.level - 1)]
+                imported.add(".".join([*base, node.module] if node.module else base))
+            else:
+                imported.add(node.module)
+    return {module for module in imported if module and module.startswith("lit_parl")}
+
+
+def test_no_module_imports_from_a_higher_layer():
+    violations = []
+    for name, path in _sources().items():
+        own = _layer(name)
+        if own is None or name == "lit_parl":
+            continue
+        for module in _imports(path, name):
+            other = _layer(module)
+            if other is not None and other > own:
+                violations.append(f"{name} (layer {own}) imports {module} (layer {other})")
+    assert not violations, "\n".join(violations)
+
+
+def test_the_callbacks_import_nothing_of_lit_parl():
+    for name, path in _sources().items():
+        if name.startswith("lit_parl.callbacks"):
+            outside = {m for m in _imports(path, name) if not m.startswith("lit_parl.callbacks")}
+            assert not outside, f"{name} imports {sorted(outside)}"
