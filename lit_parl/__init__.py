@@ -8,28 +8,37 @@ import os
 # torch is imported; the spawned workers inherit it. An explicit OMP_WAIT_POLICY wins.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
-from lit_parl.data import IterationShape, OffPolicyError
-from lit_parl.datamodule import RolloutDataModule
-from lit_parl.lr_schedule import WarmupSchedule
-from lit_parl.model import pretrained, tiny_qwen2
-from lit_parl.module import GRPOModule
-from lit_parl.objectives import GRPOObjective
-from lit_parl.trajectory import Group, GroupCompletions, GroupRequest, MicroBatch, Packing, SamplingParams, Trajectory
+import importlib
 
-__all__ = [
-    "GRPOModule",
-    "GRPOObjective",
-    "Group",
-    "GroupCompletions",
-    "GroupRequest",
-    "IterationShape",
-    "MicroBatch",
-    "OffPolicyError",
-    "Packing",
-    "RolloutDataModule",
-    "SamplingParams",
-    "Trajectory",
-    "WarmupSchedule",
-    "pretrained",
-    "tiny_qwen2",
-]
+# Imported on first use, so that ``import lit_parl.callbacks`` (usable in any Lightning project) does not
+# load the data path, the module and transformers' model classes.
+_EXPORTS = {
+    "GRPOModule": "lit_parl.module",
+    "GRPOObjective": "lit_parl.objectives",
+    "Group": "lit_parl.trajectory",
+    "GroupCompletions": "lit_parl.trajectory",
+    "GroupRequest": "lit_parl.trajectory",
+    "IterationShape": "lit_parl.data.shape",
+    "MicroBatch": "lit_parl.trajectory",
+    "OffPolicyError": "lit_parl.data.gate",
+    "Packing": "lit_parl.trajectory",
+    "RolloutDataModule": "lit_parl.datamodule",
+    "SamplingParams": "lit_parl.trajectory",
+    "Trajectory": "lit_parl.trajectory",
+    "WarmupSchedule": "lit_parl.lr_schedule",
+    "pretrained": "lit_parl.model",
+    "tiny_qwen2": "lit_parl.model",
+}
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'lit_parl' has no attribute {name!r}")
+    value = getattr(importlib.import_module(_EXPORTS[name]), name)
+    globals()[name] = value  # later lookups skip this function
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_EXPORTS])

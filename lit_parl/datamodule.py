@@ -191,7 +191,6 @@ class RolloutDataModule(LightningDataModule):
 
     def _finish_iteration(self, stats: IterationStats) -> None:
         stats.completed_at = time.monotonic()
-        stats.gen_intervals = self.pool.busy_intervals()
         self.history.append(stats)
         self.schedule.advance(stats.prompts_drawn)
         self.iterations_done += 1

@@ -162,7 +162,7 @@ class GRPOModule(LightningModule):
             members = ids == prompt_id
             if int(members.sum()) != batch.group_size:
                 raise ValueError(
-                    "kl_in_reward needs whole groups in each micro-batch: make rollout.micro_batch_size a multiple of group_size"
+                    "kl_in_reward needs whole groups in each micro-batch: make IterationShape.micro_batch_size a multiple of group_size"
                 )
             advantages[members] = self.objective.advantages(rewards[members])
         return advantages

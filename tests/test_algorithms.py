@@ -52,6 +52,7 @@ class ScriptedPool(RolloutPool):
         super().__init__()
         self.order_seed = order_seed
         self.requests = []
+        self.calls = 0  # generate calls: one per round of requests
         self.eos_id = None
 
     def _start(self, spec):
@@ -62,6 +63,7 @@ class ScriptedPool(RolloutPool):
             pass
 
     def _generate(self, requests, sampling):
+        self.calls += 1
         self.requests.extend(requests)
         groups = [self.rollout(r.prompt_id, r.version) for r in requests]
         random.Random(self.order_seed + 1000 * self.version).shuffle(groups)
@@ -231,6 +233,8 @@ def test_dynamic_sampling_keeps_the_group_count_and_loses_no_prompt():
     trained_ids = sorted(p for b in seen for p in set(b.prompt_ids))
     assert sorted(trained_ids + dropped) == requested
     assert sum(s.dropped_groups for s in data.history) == len(dropped)
+    # every round's generation time is booked, not only the last round's
+    assert sum(len(s.gen_intervals) for s in data.history) == pool.calls > 3
     assert data.schedule.cursor == len(requested)
 
 

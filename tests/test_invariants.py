@@ -135,14 +135,14 @@ class GateRecorder(WrappedPool):
         super().__init__(inner)
         self.events = []
 
-    def sync_weights(self, named_tensors, version):
+    def _sync_weights(self, buckets, version):
         self.events.append(("sync_start", version, self.inner.version))
-        super().sync_weights(named_tensors, version)
+        super()._sync_weights(buckets, version)
         self.events.append(("synced", version, self.inner.version))
 
-    def generate(self, requests, sampling):
+    def _generate(self, requests, sampling):
         self.events.append(("request", sorted({r.version for r in requests}), self.inner.version))
-        yield from super().generate(requests, sampling)
+        yield from super()._generate(requests, sampling)
 
 
 def test_no_request_reaches_the_pool_before_it_holds_the_new_version():

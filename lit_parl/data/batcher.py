@@ -32,7 +32,7 @@ class IterationBatcher:
         shape: the iteration's shape.
         schedule: prompts, tokens and seeds.
         pool: the rollout pool (generation only).
-        scorer: rewards, in their own executor.
+        scorer: rewards (inline, or on threads of its own).
         acceptor: checks and advantages.
         sampling: sampling parameters for every request.
         packing: the micro-batch layout.
@@ -103,6 +103,7 @@ class IterationBatcher:
                 if not waiting:  # drain the stream now, so no exchange with the pool runs after the final yield
                     for extra in groups:
                         raise RuntimeError(f"the pool returned prompt_id {extra.prompt_id} after the round was complete")
+                    stats.gen_intervals.extend(self.pool.busy_intervals())  # this round's; the pool keeps only the last
                 if self.dynamic_sampling and trajectories[0].zero_variance:
                     dropped.append((slot, trajectories))
                     stats.dropped_groups += 1

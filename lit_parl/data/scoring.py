@@ -67,8 +67,8 @@ class GroupScorer:
     def stream(self, groups: Iterator[GroupCompletions], requests: dict[int, GroupRequest]) -> Iterator[Group]:
         """Score ``groups`` as they arrive (the pool's stream, read by a thread of its own); yield scored groups.
 
-        A group for a prompt not in ``requests`` is handed through unscored-checked: the caller's
-        acceptor refuses it. Closing this generator stops reading the pool's stream.
+        A group for a prompt not in ``requests`` passes through with NaN rewards, for the caller's acceptor
+        to refuse. Closing this generator stops reading the pool's stream.
         """
         if self.workers == 0:  # inline: score in the consumer's thread (no reader thread, no executor)
             for completions in groups:

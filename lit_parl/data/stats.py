@@ -1,4 +1,10 @@
-"""IterationStats: what one iteration's rollouts were, for logging, the run summary and the timeline."""
+"""IterationStats: what one iteration's rollouts were, for logging, the run summary and the timeline.
+
+Example::
+
+    >>> IterationStats(gen_intervals=[(0.0, 2.0), (1.0, 3.0), (5.0, 6.0)]).gen_busy_s  # two workers overlapping
+    4.0
+"""
 
 from __future__ import annotations
 
@@ -16,7 +22,8 @@ class IterationStats:
         reward_sum: sum of those samples' rewards, before any shaping.
         prompts_drawn: prompts scheduled (more than the iteration's N with dynamic sampling).
         dropped_groups: zero-variance groups dropped by dynamic sampling.
-        gen_intervals: ``(start, end)`` monotonic times the pool was generating.
+        gen_intervals: ``(start, end)`` monotonic times the pool was generating, over every round of
+            requests (dynamic sampling may need several).
     """
 
     version: int = -1
@@ -35,4 +42,11 @@ class IterationStats:
 
     @property
     def gen_busy_s(self) -> float:
-        return sum(end - start for start, end in self.gen_intervals)
+        """Seconds during which at least one worker was generating (the union of the intervals: with
+        several workers or servers they overlap, and their sum could exceed the wall time)."""
+        total, reached = 0.0, float("-inf")
+        for start, end in sorted(self.gen_intervals):
+            if end > reached:
+                total += end - max(start, reached)
+                reached = end
+        return total

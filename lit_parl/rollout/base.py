@@ -6,7 +6,8 @@ backends have in common is done here, once, by the public methods the trainer ca
 
 - **Lifecycle.** ``start(spec)`` launches or attaches the engine from a ``PoolSpec``: a saved model
   directory and the token ids it needs, never a live model, so a remote engine gets what it can use.
-  A second ``start`` and any call before ``start`` or after ``close`` fail with a clear error.
+  A second ``start``, and any other call before ``start`` or after ``close``, fails with a clear error;
+  ``start`` after ``close`` starts the pool afresh (a second fit).
 - **Version.** ``version`` is read-only: the policy version every worker has confirmed, ``None`` before
   the first sync and while a sync is under way. A backend never sets it; ``sync_weights`` records it
   once ``_sync_weights`` has returned (which it does only when every worker confirmed).
@@ -16,7 +17,7 @@ backends have in common is done here, once, by the public methods the trainer ca
 - **Timing.** ``busy_intervals`` reports when the engine worked during the last ``generate``.
 
 What a backend does **not** do: score. ``generate`` yields ``GroupCompletions``, unscored; the trainer's
-process scores them (``lit_parl.data.scoring.GroupScorer``, in its own executor), because scoring needs
+process scores them (``lit_parl.data.scoring.GroupScorer``: inline, or on threads of its own), because scoring needs
 the task and the tokenizer, which live there. So a slow reward never stalls generation, whichever
 backend runs.
 
@@ -56,7 +57,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import ClassVar
+from typing import ClassVar, final
 
 import torch
 
@@ -111,7 +112,8 @@ class RolloutPool(ABC):
     """Base of every rollout backend: the checks, the version and the timing; the backend generates.
 
     Subclasses set ``backend`` (a short name) and implement the five abstract methods. Their
-    constructors take the backend's own settings and must call ``super().__init__()``.
+    constructors take the backend's own settings and must call ``super().__init__()``. The public
+    methods are ``@final``: overriding one would skip the checks every backend is held to.
     """
 
     backend: ClassVar[str] = "unnamed"
@@ -178,10 +180,12 @@ class RolloutPool(ABC):
 
     # -- what the trainer calls ------------------------------------------------------------------------
     @property
+    @final
     def version(self) -> int | None:
         """The policy version every worker confirmed; ``None`` before the first sync or during one."""
         return self._version
 
+    @final
     def start(self, spec: PoolSpec) -> None:
         if self._started:
             raise RuntimeError(f"{type(self).__name__}.start called twice (close it first)")
@@ -194,6 +198,7 @@ class RolloutPool(ABC):
             self.close()
             raise
 
+    @final
     def sync_weights(self, buckets: Iterable[WeightBucket], version: int) -> None:
         """Push the weights in ``buckets`` as policy ``version``; return once every worker confirmed it."""
         self._require_started("sync_weights")
@@ -203,6 +208,7 @@ class RolloutPool(ABC):
         self._sync_weights(buckets, version)
         self._version = version
 
+    @final
     def generate(self, requests: list[GroupRequest], sampling: SamplingParams) -> Iterator[GroupCompletions]:
         """Yield each request's completions (unscored) as soon as they are finished, in completion order."""
         self._require_started("generate")
@@ -227,19 +233,23 @@ class RolloutPool(ABC):
                 f"the {self.backend} pool ended its stream with prompts {sorted(waiting)[:10]} ({len(waiting)} in all) never returned"
             )
 
+    @final
     def busy_intervals(self) -> list[tuple[float, float]]:
         """``(start, end)`` monotonic times the engine computed during the last ``generate``."""
         return self._busy_intervals()
 
+    @final
     def health(self) -> PoolHealth:
         workers, alive = self._worker_counts() if self._started else (0, 0)
         return PoolHealth(self.backend, self._started, workers, alive, self._version, self._details() if self._started else {})
 
+    @final
     def close(self) -> None:
         """Stop everything the pool started; idempotent; safe from another thread while ``generate`` waits."""
         self._started, self._closed, self._version = False, True, None
         self._close()
 
+    @final
     def check_requests(self, requests: list[GroupRequest]) -> None:
         """The pool side of the version gate: every request is for the confirmed version, once."""
         if self._version is None:

@@ -1,4 +1,4 @@
-"""The SGLang rollout pool: SGLang servers generate, the trainer trains (DESIGN.md section 4).
+"""The SGLang rollout pool: SGLang servers generate, the trainer trains (docs/design.md, section 4).
 
 The pool launches ``python -m sglang.launch_server`` subprocesses (or attaches to running servers by URL)
 and talks to them through SGLang's native HTTP API. One job per module:
