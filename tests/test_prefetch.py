@@ -116,3 +116,33 @@ def test_a_failing_step_stops_the_prefetch_thread_while_it_waits_for_groups(scor
         fit(module, data, iterations=1, callbacks=[FailingStep()])
     assert not pool.health().started
     assert _wait_for_no_prefetch_thread(timeout_s=15.0) == []
+
+
+def test_closing_the_consumer_stops_the_prefetch_thread_between_items():
+    from lit_parl.data.prefetch import prefetched
+
+    def endless():  # a producer that never ends by itself: only the stop flag ends the thread
+        while True:
+            time.sleep(0.01)
+            yield 1
+
+    before = set(_prefetch_threads())
+    stream = prefetched(endless(), "lit_parl-prefetch-unit")
+    assert next(stream) == 1
+    (thread,) = set(_prefetch_threads()) - before
+    stream.close()
+    thread.join(timeout=2.0)
+    assert not thread.is_alive(), "the prefetch thread outlived its consumer"
+
+
+def test_an_error_in_the_prefetch_thread_is_raised_in_the_consumer():
+    from lit_parl.data.prefetch import prefetched
+
+    def failing():
+        yield 1
+        raise KeyError("in the thread")
+
+    stream = prefetched(failing(), "lit_parl-prefetch-unit")
+    assert next(stream) == 1
+    with pytest.raises(KeyError, match="in the thread"):
+        next(stream)

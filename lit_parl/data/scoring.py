@@ -22,12 +22,11 @@ Example::
 
 from __future__ import annotations
 
-import queue
-import threading
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Protocol, Sequence, runtime_checkable
 
+from lit_parl.data.prefetch import beside
 from lit_parl.trajectory import Group, GroupCompletions, GroupRequest
 
 
@@ -59,68 +58,47 @@ class GroupScorer:
         self.workers = workers
         self._executor: ThreadPoolExecutor | None = None
 
-    def score(self, request: GroupRequest, completions: GroupCompletions) -> Group:
-        """One group's rewards, in the calling thread."""
+    def score(self, request: GroupRequest | None, completions: GroupCompletions) -> Group:
+        """One group's rewards, in the calling thread; NaN for a group nobody requested (the acceptor refuses it)."""
+        if request is None:
+            return completions.scored([float("nan")] * len(completions.completions))
         answer = list(request.answer_tokens)
         return completions.scored([float(self.reward_fn.reward(answer, c, self.eos_id)) for c in completions.completions])
 
     def stream(self, groups: Iterator[GroupCompletions], requests: dict[int, GroupRequest]) -> Iterator[Group]:
-        """Score ``groups`` as they arrive (the pool's stream, read by a thread of its own); yield scored groups.
+        """Score ``groups`` (the pool's stream) as they arrive; yield scored groups.
 
-        A group for a prompt not in ``requests`` passes through with NaN rewards, for the caller's acceptor
-        to refuse. Closing this generator stops reading the pool's stream.
+        With ``workers >= 1`` a thread of its own reads the pool's stream and hands each group to the
+        scoring threads; closing this generator stops that reader.
         """
         if self.workers == 0:  # inline: score in the consumer's thread (no reader thread, no executor)
             for completions in groups:
-                request = requests.get(completions.prompt_id)
-                yield completions.scored([float("nan")] * len(completions.completions)) if request is None else self.score(request, completions)
+                yield self.score(requests.get(completions.prompt_id), completions)
             return
         if self._executor is None:
             self._executor = ThreadPoolExecutor(self.workers, thread_name_prefix="lit_parl-score")
-        executor, finished, stop = self._executor, queue.SimpleQueue(), threading.Event()
+        executor = self._executor
 
-        def score(completions: GroupCompletions) -> None:
-            try:
-                request = requests.get(completions.prompt_id)
-                if request is None:  # not ours to score; the acceptor names the error
-                    finished.put(("group", completions.scored([float("nan")] * len(completions.completions))))
-                else:
-                    finished.put(("group", self.score(request, completions)))
-            except BaseException as error:  # noqa: BLE001 - re-raised in the consumer's thread
-                finished.put(("error", error))
+        def read_pool(put, fail, stop) -> None:
+            def score(completions: GroupCompletions) -> None:
+                try:
+                    put(self.score(requests.get(completions.prompt_id), completions))
+                except BaseException as error:  # noqa: BLE001 - re-raised in the consumer's thread at once
+                    fail(error)
 
-        def read_pool() -> None:
-            pending = []
             try:
+                pending = []
                 for completions in groups:
                     if stop.is_set():
                         return
                     pending.append(executor.submit(score, completions))
                 for future in pending:
-                    future.result()  # each put its group (or error) before finishing
-                finished.put(("end", None))
-            except BaseException as error:  # noqa: BLE001 - re-raised in the consumer's thread
-                finished.put(("error", error))
+                    future.result()  # each put its group (or failed) before finishing
             finally:
-                groups.close() if hasattr(groups, "close") else None  # in this thread, the one running it
+                if hasattr(groups, "close"):
+                    groups.close()  # in this thread, the one that runs the pool's generator
 
-        reader = threading.Thread(target=read_pool, name="lit_parl-pool-reader", daemon=True)
-        reader.start()
-        try:
-            while True:
-                try:
-                    kind, item = finished.get(timeout=1.0)
-                except queue.Empty:
-                    if not reader.is_alive() and finished.empty():
-                        raise RuntimeError("the pool reader thread ended without a word") from None
-                    continue
-                if kind == "error":
-                    raise item
-                if kind == "end":
-                    return
-                yield item
-        finally:
-            stop.set()
+        yield from beside(read_pool, "lit_parl-pool-reader")
 
     def close(self) -> None:
         if self._executor is not None:
