@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# The default job under several variants, interleaved: for each repetition and seed, one run of each
+# variant in turn, one run at a time. Prints "<label> seed=<S> lit_parl summary: {...}" per run;
+# benchmarks/interleave_table.py turns that output into the tables of RESULTS.md.
+# Usage: benchmarks/interleave.sh [-n iterations] [-r repetitions] [-s "seeds"] LABEL=BIN[:overrides] ...
+#   BIN: a lit-parl executable (e.g. one installed from another commit in a venv of its own);
+#   overrides: more Hydra overrides for that variant, separated by spaces.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+iterations=""; reps=1; seeds="0"
+while getopts "n:r:s:" opt; do
+  case $opt in n) iterations="iterations=$OPTARG";; r) reps=$OPTARG;; s) seeds=$OPTARG;; *) exit 2;; esac
+done
+shift $((OPTIND - 1))
+for _ in $(seq 1 "$reps"); do
+  for seed in $seeds; do
+    for variant in "$@"; do
+      label=${variant%%=*}; rest=${variant#*=}; bin=${rest%%:*}; extra=""
+      [[ $rest == *:* ]] && extra=${rest#*:}
+      # shellcheck disable=SC2086  # $iterations and $extra are word lists on purpose
+      line=$("$bin" seed="$seed" $iterations run_dir="runs/interleave_${label}_seed$seed" trainer.max_time=null $extra 2>/dev/null \
+        | grep '^lit_parl summary')
+      echo "$label seed=$seed $line"
+    done
+  done
+done
