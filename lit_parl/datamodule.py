@@ -16,12 +16,13 @@ In use: the README's "Components without the CLI" script (run as a script by ``t
 from __future__ import annotations
 
 import time
+from collections import deque
 
 import torch
 from lightning.pytorch import LightningDataModule
 from lightning.pytorch.accelerators import CPUAccelerator
 from torch.utils.data import DataLoader, IterableDataset
-from transformers import PreTrainedModel, PreTrainedTokenizerBase
+from transformers import AutoConfig, PreTrainedModel, PreTrainedTokenizerBase
 
 from lit_parl.data.acceptor import Advantages, GroupAcceptor
 from lit_parl.data.batcher import IterationBatcher
@@ -32,10 +33,12 @@ from lit_parl.data.schedule import PromptSchedule
 from lit_parl.data.scoring import GroupScorer
 from lit_parl.data.shape import IterationShape
 from lit_parl.data.stats import IterationStats
-from lit_parl.rollout.base import PoolSpec, RolloutPool
+from lit_parl.limits import check_context
+from lit_parl.rollout.base import BF16_LOGPROB_TOLERANCE, PoolSpec, RolloutPool
 from lit_parl.trajectory import MicroBatch, Packing, SamplingParams
 
 MODES = ("async", "sync")
+HISTORY_KEPT = 64  # iterations whose IterationStats stay in `history` (callbacks read the last one)
 
 
 class _IterationStream(IterableDataset):
@@ -72,6 +75,10 @@ class RolloutDataModule(LightningDataModule):
         trainer_threads: torch threads of the trainer's process; ``None``: the cores the pool leaves.
         score_workers: threads of their own that score groups (for slow rewards, e.g. verifiers); 0 scores
             each group where the batcher runs: in the prefetch thread when it is on, else between steps.
+        logprob_tolerance: the runtime on-policy check: the largest mean |rollout - θ_k| log-prob per token a
+            micro-batch may show before the run stops (the pool did not use the weights it reported);
+            ``"auto"``: the pool's own (``RolloutPool.logprob_tolerance``), at least the bfloat16 bound when
+            the trainer runs in lower precision; ``None``: no check.
     """
 
     def __init__(
@@ -91,6 +98,7 @@ class RolloutDataModule(LightningDataModule):
         prefetch: bool | None = None,
         trainer_threads: int | None = None,
         score_workers: int = 0,
+        logprob_tolerance: float | str | None = "auto",
     ) -> None:
         super().__init__()
         if mode not in MODES:
@@ -102,13 +110,20 @@ class RolloutDataModule(LightningDataModule):
         self.sampling = sampling if isinstance(sampling, SamplingParams) else SamplingParams(**(sampling or {}))
         self.packing = packing if isinstance(packing, Packing) else Packing(**(packing or {}))
         self.max_sampling_rounds, self.prefetch, self.trainer_threads = max_sampling_rounds, prefetch, trainer_threads
+        if not (logprob_tolerance is None or logprob_tolerance == "auto" or (isinstance(logprob_tolerance, (int, float)) and logprob_tolerance > 0)):
+            raise ValueError(f"RolloutDataModule(logprob_tolerance={logprob_tolerance!r}): give a number > 0, 'auto' (the pool's) or None (no check)")
+        self.logprob_tolerance = logprob_tolerance
         self.schedule = PromptSchedule(task, tokenizer, shape.group_size, seed)
         self.gate = VersionGate(gate_timeout_s)
         self.scorer = GroupScorer(task, tokenizer.eos_token_id, score_workers)
         self.iterations_done = 0
-        self.history: list[IterationStats] = []
+        self.history: deque[IterationStats] = deque(maxlen=HISTORY_KEPT)  # the last few: a long run holds the same
         self._use_prefetch = bool(prefetch)
         self._model_dir = InitialModelDir(initial_model, tokenizer)  # what the pool's engines start from
+        # limits known now fail now, before any engine process starts
+        config = initial_model.config if isinstance(initial_model, PreTrainedModel) else AutoConfig.from_pretrained(initial_model)
+        check_context(config, self.sampling.max_new_tokens)
+        pool.check_capacity(shape, self.sampling)
 
     # -- Lightning hooks -------------------------------------------------------------------------------
     def setup(self, stage: str) -> None:
@@ -161,7 +176,18 @@ class RolloutDataModule(LightningDataModule):
             self.shape, self.schedule, self.pool, self.scorer, acceptor, self.sampling, self.packing, self.tokenizer.pad_token_id,
             materialize=self.mode == "sync", dynamic_sampling=bool(getattr(self.objective, "dynamic_sampling", False)),
             max_sampling_rounds=self.max_sampling_rounds,
+            logprob_tolerance=self.resolved_logprob_tolerance(),
         )
+
+    def resolved_logprob_tolerance(self) -> float | None:
+        """The on-policy check's bound: the configured one, or the pool's, widened for a low-precision trainer."""
+        if self.logprob_tolerance != "auto":
+            return self.logprob_tolerance
+        tolerance = self.pool.logprob_tolerance()
+        precision = str(self.trainer.precision) if self.trainer is not None else "32-true"
+        if tolerance is not None and precision not in ("32-true", "32", "64-true", "64"):
+            tolerance = max(tolerance, BF16_LOGPROB_TOLERANCE)  # the trainer's own log-probs are bf16/fp16 then
+        return tolerance
 
     def _stream_iteration(self):
         """Waits for the gate, then hands out the iteration's micro-batches.

@@ -35,12 +35,15 @@ from collections.abc import Callable, Iterable
 
 import torch
 from lightning.pytorch import LightningModule
+from lightning.pytorch.utilities import rank_zero_warn
 from torchmetrics import MaxMetric, MeanMetric
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from lit_parl.data.shape import IterationShape
+from lit_parl.guards import NonFiniteGuard, check_on_policy, logprob_mismatch
 from lit_parl.kernels.attention import resolve_backend
 from lit_parl.kernels.forward import check_supported, completion_logprobs
+from lit_parl.limits import check_memory, context_length
 from lit_parl.objectives import GRPOObjective, kl_estimate
 from lit_parl.trajectory import MicroBatch
 
@@ -69,6 +72,13 @@ class GRPOModule(LightningModule):
         temperature: the sampling temperature: log-probs are computed from logits / T, as sampled.
         attention_backend: shared-prompt attention backend (``auto`` picks the best for the device).
         logprob_chunk_size: label tokens per LM-head chunk (memory: chunk x vocabulary floats).
+        on_nonfinite: what a NaN or infinite advantage, log-prob, loss or gradient does to its optimizer
+            step: ``skip`` it (counted as ``nonfinite/skipped_steps``, with a warning naming the prompts) or
+            ``raise`` (``lit_parl.guards.NonFiniteGuard``).
+        memory_budget_gib: refuse, at construction, a micro-batch whose estimated activation and logits
+            memory exceeds this (``lit_parl.limits.check_memory``); ``None``: no budget.
+        max_sample_tokens: prompt plus completion tokens of the longest sample, for that estimate
+            (``None``: the model's context, an upper bound).
     """
 
     def __init__(
@@ -83,9 +93,17 @@ class GRPOModule(LightningModule):
         temperature: float = 1.0,
         attention_backend: str = "auto",
         logprob_chunk_size: int = 1024,
+        on_nonfinite: str = "skip",
+        memory_budget_gib: float | None = None,
+        max_sample_tokens: int | None = None,
     ) -> None:
         super().__init__()
         check_supported(policy)
+        if memory_budget_gib is not None:
+            sample_tokens = max_sample_tokens or context_length(policy.config)
+            if sample_tokens is None:
+                raise ValueError("GRPOModule(memory_budget_gib=...) needs max_sample_tokens: this model's config gives no context length")
+            check_memory(policy.config, shape.micro_batch_size, sample_tokens, logprob_chunk_size, memory_budget_gib)
         if objective.kl_in_reward and shape.micro_batch_size % shape.group_size:
             raise ValueError(
                 f"GRPOObjective(kl_in_reward=True) needs whole groups per micro-batch: make IterationShape(micro_batch_size="
@@ -103,6 +121,7 @@ class GRPOModule(LightningModule):
         self.attention_backend = attention_backend  # resolved for the device at fit start
         self.logprob_chunk_size = logprob_chunk_size
         self._backend: str | None = None
+        self.guard = NonFiniteGuard(on_nonfinite)
         self.reference = _frozen_copy(policy) if objective.needs_reference else None
         self.old = _frozen_copy(policy) if shape.optimizer_steps > 1 else None
         self._normaliser = 0.0
@@ -141,6 +160,7 @@ class GRPOModule(LightningModule):
                  "zero_variance": "zero_variance_share", "mismatch_abs": "mismatch/logprob_abs_diff", "mismatch_kl": "mismatch/kl"}
         for name, value in values.items():
             self.log(names.get(name, name), value, prog_bar=name == "reward")
+        self.log("nonfinite/skipped_steps", float(self.guard.skipped_steps))
         for metric in self.metrics.values():
             metric.reset()
 
@@ -178,10 +198,15 @@ class GRPOModule(LightningModule):
         if objective.kl_in_reward and ref_logp is not None:
             advantages = self.kl_in_reward_advantages(batch, old_logp, ref_logp)
         terms = objective(logp, old_logp, ref_logp, advantages, batch.completion_mask, batch.rollout_logprobs, entropy)
+        values = {"advantages": advantages, "log-probs": logp, "rollout log-probs": batch.rollout_logprobs, "loss": terms.loss_sum}
+        finite = self.guard.inspect(values, batch.prompt_ids)
+        # backward even when not finite: under DDP every rank must join each backward's gradient reduction;
+        # the guard drops the whole optimizer step instead
         self.manual_backward(terms.loss_sum)
         self._normaliser += float(terms.normaliser)
-        self._loss_sum += float(terms.loss_sum.detach())
-        self._update_metrics(batch, terms, old_logp)
+        if finite:
+            self._loss_sum += float(terms.loss_sum.detach())
+            self._update_metrics(batch, terms, old_logp)
 
         if batch.ends_step:  # the datamodule marks the end of each mini-batch
             self._optimizer_step()
@@ -206,18 +231,22 @@ class GRPOModule(LightningModule):
             m["length_max"].update(lengths)
             m["truncated"].update(batch.truncated.float())
             m["zero_variance"].update(batch.zero_variance.float())
-            # the rollout engine's log-probs against θ_k's, on the same tokens
-            delta = (batch.rollout_logprobs - old_logp) * mask
-            m["mismatch_abs"].update(delta.abs().sum() / tokens, weight=tokens)
-            m["mismatch_kl"].update(((torch.exp(-delta) + delta - 1) * mask).sum() / tokens, weight=tokens)
+            # the rollout engine's log-probs against θ_k's, on the same tokens: samples, not labels, show
+            # which weights the pool used
+            abs_sum, kl_sum, mismatch_tokens = logprob_mismatch(batch.rollout_logprobs, old_logp, mask)
+            check_on_policy(abs_sum, mismatch_tokens, batch.logprob_tolerance, batch.version, batch.prompt_ids)
+            m["mismatch_abs"].update(abs_sum / tokens, weight=tokens)
+            m["mismatch_kl"].update(kl_sum / tokens, weight=tokens)
 
     # -- the update ------------------------------------------------------------------------------------
     def _optimizer_step(self) -> None:
         optimizer = self.optimizers()
-        # DDP averages gradients over ranks; the normaliser spans every rank's samples
+        # DDP averages gradients over ranks; the normaliser spans every rank's samples. One reduction carries
+        # the normaliser, the loss and how many ranks saw a non-finite value.
         world = self.trainer.world_size
-        total = float(self.trainer.strategy.reduce(torch.tensor(self._normaliser, device=self.device), reduce_op="sum"))
-        loss_sum = float(self.trainer.strategy.reduce(torch.tensor(self._loss_sum, device=self.device), reduce_op="sum"))
+        local = torch.tensor([self._normaliser, self._loss_sum, float(self.guard.pending)], device=self.device)
+        total, loss_sum, flagged = self.trainer.strategy.reduce(local, reduce_op="sum").tolist()
+        self._normaliser, self._loss_sum = 0.0, 0.0
         if total > 0:
             scale = world / total
             for parameter in self.policy.parameters():
@@ -225,6 +254,10 @@ class GRPOModule(LightningModule):
                     parameter.grad.mul_(scale)
         parameters = [p for p in self.policy.parameters() if p.grad is not None]
         grad_norm = torch.nn.utils.clip_grad_norm_(parameters, self.max_grad_norm if self.max_grad_norm else float("inf"))
+        if not self.guard.step_is_finite(grad_norm, flagged_elsewhere=flagged > float(self.guard.pending)):
+            optimizer.zero_grad(set_to_none=True)
+            rank_zero_warn(f"optimizer step skipped (module.on_nonfinite=skip; {self.guard.skipped_steps} so far): {self.guard.last_problem}")
+            return
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         scheduler = self.lr_schedulers()
@@ -232,4 +265,11 @@ class GRPOModule(LightningModule):
             scheduler.step()
         self.metrics["grad_norm"].update(grad_norm)
         self.log("loss", loss_sum / max(total, 1e-12), on_step=False, on_epoch=True, batch_size=1)
-        self._normaliser, self._loss_sum = 0.0, 0.0
+
+    # -- checkpoints -----------------------------------------------------------------------------------
+    def on_save_checkpoint(self, checkpoint: dict) -> None:
+        checkpoint["lit_parl_nonfinite"] = self.guard.state_dict()
+
+    def on_load_checkpoint(self, checkpoint: dict) -> None:
+        if "lit_parl_nonfinite" in checkpoint:  # checkpoints written before the guard existed have none
+            self.guard.load_state_dict(checkpoint["lit_parl_nonfinite"])

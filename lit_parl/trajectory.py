@@ -29,6 +29,8 @@ class SamplingParams:
             raise ValueError(f"sampling.temperature must be > 0 (log-probs are computed at logits / T), got {self.temperature}")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"sampling.top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:  # vLLM and SGLang read -1 as "off", the hf sampler any value < 1: one spelling here
+            raise ValueError(f"sampling.top_k must be >= 0 (0: no top-k filter), got {self.top_k}")
 
 
 def sample_seed(base_seed: int, version: int, prompt_id: int, sample_index: int) -> int:
@@ -125,6 +127,7 @@ class MicroBatch:
     ends_step: bool = True  # an optimizer step follows this micro-batch (the end of a mini-batch)
     group_size: int = 0
     pass_index: int = 0  # which pass over the iteration's samples (several with IterationShape.passes > 1)
+    logprob_tolerance: float | None = None  # largest mean |rollout - θ_k| log-prob per token accepted (None: unchecked)
 
     @property
     def size(self) -> int:

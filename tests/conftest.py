@@ -1,4 +1,5 @@
-"""Shared helpers: a fast tiny configuration, a fit runner, and a pool wrapper for fault injection."""
+"""Shared helpers: a fast tiny configuration, a fit runner, SGD keywords for exact weight comparisons, a
+recorder of trained micro-batches, a pool without worker processes, and a pool wrapper for fault injection."""
 
 from __future__ import annotations
 
@@ -9,10 +10,12 @@ from collections.abc import Iterator
 import lightning
 import pytest
 import torch
+from lightning.pytorch import Callback
+from transformers import AutoConfig, AutoModelForCausalLM
 
 from lit_parl import GRPOModule, GRPOObjective, IterationShape, RolloutDataModule, tiny_qwen2
 from lit_parl.callbacks import WeightSync
-from lit_parl.rollout import HFRolloutPool, RolloutPool
+from lit_parl.rollout import HFRolloutPool, PoolSpec, RolloutPool
 from lit_parl.tasks import CopyTask
 from lit_parl.trajectory import GroupCompletions, GroupRequest, SamplingParams
 
@@ -56,12 +59,13 @@ def make_components(
     return module, datamodule
 
 
-def fit(module, datamodule, iterations: int, callbacks=(), **trainer_kwargs) -> lightning.Trainer:
+def fit(module, datamodule, iterations: int, callbacks=(), weight_sync: WeightSync | None = None, **trainer_kwargs) -> lightning.Trainer:
+    """A CPU fit of ``iterations`` epochs with ``weight_sync`` (default: a plain ``WeightSync()``) first."""
     trainer = lightning.Trainer(
         accelerator="cpu",
         devices=1,
         max_epochs=iterations,
-        callbacks=[WeightSync(), *callbacks],
+        callbacks=[weight_sync or WeightSync(), *callbacks],
         logger=False,
         enable_checkpointing=False,
         enable_progress_bar=False,
@@ -75,6 +79,90 @@ def fit(module, datamodule, iterations: int, callbacks=(), **trainer_kwargs) -> 
 
 def policy_state(module: GRPOModule) -> dict[str, torch.Tensor]:
     return {k: v.detach().clone() for k, v in module.policy.state_dict().items()}
+
+
+def sgd(lr: float) -> dict:
+    """``make_components`` keywords for plain SGD without clipping: the update is exactly -lr x gradient, so a
+    wrong gradient scale shows in the weights (AdamW's normalised step and norm clipping would hide it)."""
+    return {"optimizer": functools.partial(torch.optim.SGD, lr=lr), "max_grad_norm": None}
+
+
+class BatchRecorder(Callback):
+    """Records every micro-batch the trainer starts training, with its epoch (= the iteration)."""
+
+    def __init__(self) -> None:
+        self.batches = []
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        self.batches.append((trainer.current_epoch, batch))
+
+    def samples(self) -> list[tuple[int, int, int]]:
+        """``(iteration, prompt_id, sample_index)`` of every trained sample, in training order (first pass only)."""
+        return [
+            (epoch, prompt_id, sample)
+            for epoch, batch in self.batches
+            if batch.pass_index == 0
+            for prompt_id, sample in zip(batch.prompt_ids, batch.sample_indices)
+        ]
+
+
+class InProcessPool(RolloutPool):
+    """A pool without worker processes: samples in the trainer's process from the synced weights.
+
+    For tests of the data path, where the backend does not matter and a spawned worker's start-up (seconds)
+    would dominate the fit. Each sample draws from its own seed, at the sampling temperature, and reports
+    the full softmax's log-probs, as every backend does; top-k/top-p filtering is not implemented.
+    """
+
+    backend = "in-process"
+
+    def _start(self, spec: PoolSpec) -> None:
+        self.model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(spec.model_dir), attn_implementation="sdpa").eval()
+        self.eos_id = spec.eos_id
+        self.held: int | None = None
+
+    def _sync_weights(self, buckets, version: int) -> None:
+        parameters, loaded = dict(self.model.named_parameters()), set()
+        with torch.no_grad():
+            for bucket in buckets:
+                for name, tensor in bucket:
+                    parameters[name].copy_(tensor)  # copied: the buckets are not ours to keep
+                    loaded.add(name)
+        if loaded != set(parameters):
+            raise ValueError(f"version {version} left parameters unloaded: {sorted(set(parameters) - loaded)[:5]}")
+        self.held = version
+
+    @torch.no_grad()
+    def _generate(self, requests: list[GroupRequest], sampling: SamplingParams) -> Iterator[GroupCompletions]:
+        if sampling.top_k or sampling.top_p < 1:
+            raise NotImplementedError("InProcessPool samples from the full softmax only (top_k=0, top_p=1)")
+        stops = (self.eos_id, *sampling.stop_token_ids)
+        for request in requests:  # the group's samples side by side; each row draws from its own seed
+            generators = [torch.Generator().manual_seed(seed) for seed in request.seeds]
+            tokens = torch.tensor([request.prompt_tokens] * request.group_size)
+            steps = []
+            for _ in range(sampling.max_new_tokens):
+                logp = (self.model(input_ids=tokens).logits[:, -1].float() / sampling.temperature).log_softmax(-1)
+                drawn = torch.cat([torch.multinomial(row.exp(), 1, generator=g) for row, g in zip(logp, generators)])
+                steps.append((drawn.tolist(), logp.gather(-1, drawn[:, None])[:, 0].tolist()))
+                tokens = torch.cat([tokens, drawn[:, None]], dim=1)
+            completions, logprobs, reasons = [], [], []
+            for k in range(request.group_size):
+                drawn = [step[0][k] for step in steps]
+                end = next((t + 1 for t, token in enumerate(drawn) if token in stops), len(drawn))
+                completions.append(drawn[:end])
+                logprobs.append([step[1][k] for step in steps[:end]])
+                reasons.append("stop" if drawn[end - 1] in stops else "length")
+            yield GroupCompletions(request.prompt_id, self.held, list(range(request.group_size)), completions, logprobs, reasons)
+
+    def _worker_counts(self) -> tuple[int, int]:
+        return (1, 1)
+
+    def _close(self) -> None:
+        self.model = None
+
+    def logprob_tolerance(self) -> float:
+        return 1e-5  # float32 on the trainer's own weights: measured ~1e-8 per token, so the on-policy check is tight
 
 
 class WrappedPool(RolloutPool):
@@ -110,6 +198,9 @@ class WrappedPool(RolloutPool):
 
     def reserved_cpus(self, colocated: bool) -> int:
         return self.inner.reserved_cpus(colocated)
+
+    def logprob_tolerance(self):
+        return self.inner.logprob_tolerance()
 
     def _busy_intervals(self):
         return self.inner.busy_intervals()

@@ -88,6 +88,9 @@ class ScriptedPool(RolloutPool):
     def _close(self):
         pass
 
+    def logprob_tolerance(self):
+        return None  # scripted log-probs (-1 per token), not drawn from the policy: nothing to compare with θ_k
+
 
 def components(objective: GRPOObjective, pool: ScriptedPool, micro_batch_size: int, mini_batches: int = 1, passes: int = 1,
                task=None, packing: str = "auto", **module_kwargs):

@@ -11,10 +11,10 @@ ROOT = Path(__file__).resolve().parents[1]
 # the layers of docs/design.md, section 5 (a module's layer is that of its longest matching prefix)
 LAYERS = {
     "lit_parl.trajectory": 1, "lit_parl.kernels": 1, "lit_parl.tokenizer": 1, "lit_parl.tasks": 1,
-    "lit_parl.objectives": 1, "lit_parl.model": 1, "lit_parl.lr_schedule": 1,
+    "lit_parl.objectives": 1, "lit_parl.model": 1, "lit_parl.lr_schedule": 1, "lit_parl.limits": 1,
     "lit_parl.rollout": 2,
     "lit_parl.data": 3,
-    "lit_parl.module": 4, "lit_parl.datamodule": 4,
+    "lit_parl.module": 4, "lit_parl.datamodule": 4, "lit_parl.guards": 4,
     "lit_parl.cli": 5, "lit_parl.__main__": 5,
 }
 

@@ -40,6 +40,8 @@ class IterationBatcher:
         materialize: wait for every group of a round before the first micro-batch (the synchronous baseline).
         dynamic_sampling: drop zero-variance groups and refill their slots (DAPO).
         max_sampling_rounds: rounds of refills before zero-variance groups are kept after all.
+        logprob_tolerance: stamped on every micro-batch: the mean |rollout - θ_k| log-prob per token the
+            trainer accepts (``lit_parl.guards.check_on_policy``); None: unchecked.
     """
 
     shape: IterationShape
@@ -53,6 +55,7 @@ class IterationBatcher:
     materialize: bool = False
     dynamic_sampling: bool = False
     max_sampling_rounds: int = 8
+    logprob_tolerance: float | None = None
 
     def micro_batches(self, version: int, stats: IterationStats) -> Iterator[MicroBatch]:
         shape, G = self.shape, self.shape.group_size
@@ -71,6 +74,7 @@ class IterationBatcher:
                 batch = collate(chunk, self.pad_id, offset, self.packing.mode, self.packing.min_gain, self.packing.max_row_tokens, G)
                 offset += len(chunk)
                 batch.ends_step = offset % shape.samples_per_step == 0
+                batch.logprob_tolerance = self.logprob_tolerance
                 block += batch.ends_step
                 if shape.passes > 1:  # kept for the later passes' replay
                     emitted.append(batch)

@@ -65,6 +65,13 @@ from lit_parl.trajectory import GroupCompletions, GroupRequest, SamplingParams
 
 WeightBucket = Sequence[tuple[str, torch.Tensor]]
 
+# Mean |Δ log-prob| per token an engine may differ from a float32 trainer on the same weights (README,
+# "Failures and guarantees"). A float32 engine agrees to ~1e-7 on the tiny model, and one missed step at
+# lr 1e-5 already shows ~4e-4. bfloat16 rounding alone reaches a few 1e-2: that bound catches weights
+# that were never loaded, not one missed small step.
+FP32_LOGPROB_TOLERANCE = 1e-4
+BF16_LOGPROB_TOLERANCE = 0.05
+
 
 @dataclass(frozen=True)
 class PoolSpec:
@@ -177,6 +184,23 @@ class RolloutPool(ABC):
     def reserved_cpus(self, colocated: bool) -> int:
         """CPU threads the engine takes on the trainer's machine while the trainer runs (0: none)."""
         return 0
+
+    def check_capacity(self, shape, sampling: SamplingParams) -> None:
+        """Raise, before anything starts, if this pool's settings cannot serve ``shape``'s iterations at ``sampling``.
+
+        ``shape`` is the ``lit_parl.IterationShape``. Only what the backend knows from its own settings (a
+        configured context length, a cap on concurrent sequences); the default knows nothing and accepts.
+        """
+
+    def logprob_tolerance(self) -> float | None:
+        """The largest mean |engine - trainer| log-prob per token this engine's numerics explain.
+
+        The trainer stops the run when a micro-batch's rollout log-probs differ more from θ_k's on the same
+        tokens (``lit_parl.guards.check_on_policy``): the engine then sampled with other weights than it
+        reported. The default, ``BF16_LOGPROB_TOLERANCE``, suits a bfloat16 engine beside a float32 trainer;
+        a backend that knows its numerics are tighter returns less (``None``: never checked).
+        """
+        return BF16_LOGPROB_TOLERANCE
 
     # -- what the trainer calls ------------------------------------------------------------------------
     @property
