@@ -33,14 +33,14 @@ from collections.abc import Iterator
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from lit_parl.rollout.base import PoolSpec
+from lit_parl.rollout.base import FP32_LOGPROB_TOLERANCE, PoolSpec
 from lit_parl.rollout.sampling import sample_groups
 from lit_parl.rollout.workers import SpawnedWorkerPool
 from lit_parl.trajectory import GroupCompletions, GroupRequest, SamplingParams
 
 
 class HFEngine:
-    """A transformers model inside one ``hf`` worker (built there, see ``lit_parl.rollout.workers.serve``).
+    """A transformers model inside one ``hf`` worker (built there, see ``lit_parl.rollout.worker_loop.serve``).
 
     Args:
         model_dir: the directory whose ``config.json`` gives the architecture; its weights are not read.
@@ -90,7 +90,10 @@ class HFRolloutPool(SpawnedWorkerPool):
         colocated_threads: CPU threads of each worker when generation and training take turns;
             ``None``: all cores divided between the workers.
         start_timeout_s: how long the workers may take to build their models.
-        response_timeout_s: how long the pool waits for any answer of a worker.
+        response_timeout_s: how long a worker that owes an answer (a group, the end of its work, a sync
+            confirmation) may stay silent before it is taken for hung, killed and replaced.
+        max_restarts: dead or hung workers replaced within one ``generate`` or ``sync_weights`` call (their
+            unfinished requests re-issued with the same seeds); the next failure stops the run.
     """
 
     backend = "hf"
@@ -105,11 +108,15 @@ class HFRolloutPool(SpawnedWorkerPool):
         colocated_threads: int | None = None,
         start_timeout_s: float = 120.0,
         response_timeout_s: float = 600.0,
+        max_restarts: int = 3,
     ) -> None:
-        super().__init__(num_workers, threads_per_worker, colocated_threads, start_timeout_s, response_timeout_s)
+        super().__init__(num_workers, threads_per_worker, colocated_threads, start_timeout_s, response_timeout_s, max_restarts)
         if prompts_per_request < 1:
             raise ValueError(f"HFRolloutPool(prompts_per_request={prompts_per_request}): at least one prompt per request")
         self.prompts_per_request = prompts_per_request
+
+    def logprob_tolerance(self) -> float | None:
+        return FP32_LOGPROB_TOLERANCE  # the engine's model is float32 (built from the config, weights copied in)
 
     def _engine(self, spec: PoolSpec, threads: int):
         return functools.partial(HFEngine, str(spec.model_dir), spec.eos_id, spec.pad_id, threads)

@@ -6,16 +6,25 @@ whether it closes the pool, fails, or is SIGKILLed. These helpers are the Linux 
 ``/proc`` (an engine may start processes of its own, which are re-parented once it has gone), and
 ``stop_workers``, which asks spawned workers to stop and kills what is left. And one check for when a
 spawned worker dies at once: ``unguarded_main_script`` (spawned workers import the user's script again).
+
+And the two ends of a worker's results pipe, one pipe per worker: ``Outbox`` in the worker (a thread
+sends, so the worker never waits for a trainer that is busy training) and ``read_messages`` on a
+thread of the trainer. A process killed in the middle of a message cuts short only its own pipe; the
+reader drops the partial message and reports the end of the pipe, which is how the pool learns that
+the worker is gone. A shared queue would be corrupted instead, or stay locked by the dead writer.
 """
 
 from __future__ import annotations
 
 import ctypes
 import os
+import queue
 import re
 import signal
 import sys
+import threading
 import time
+import traceback
 from pathlib import Path
 
 
@@ -97,3 +106,56 @@ def unguarded_main_script() -> str | None:
     if source is None or re.search(r"""__name__\s*==\s*['"]__main__['"]|['"]__main__['"]\s*==\s*__name__""", source):
         return None
     return path
+
+
+class Outbox:
+    """A worker's end of its results pipe: ``put`` never blocks, a thread sends the messages in order.
+
+    Args:
+        connection: the write end of the worker's pipe (``multiprocessing.Pipe(duplex=False)[1]``).
+    """
+
+    def __init__(self, connection) -> None:
+        self._connection = connection
+        self._queue: queue.Queue = queue.Queue()
+        self._thread = threading.Thread(target=self._send_all, name="lit_parl-outbox", daemon=True)
+        self._thread.start()
+
+    def put(self, message: tuple) -> None:
+        self._queue.put(message)
+
+    def close(self) -> None:
+        """Send what is queued, then close the pipe: its reader sees the end once this process has exited."""
+        self._queue.put(None)
+        self._thread.join()
+        self._connection.close()
+
+    def _send_all(self) -> None:
+        while (message := self._queue.get()) is not None:
+            try:
+                self._connection.send(message)
+            except OSError:
+                return  # the trainer is gone: nobody reads any more
+            except Exception:  # noqa: BLE001 - not picklable (nothing was written): the trainer must hear why
+                self._connection.send(("error", None, traceback.format_exc()))
+
+
+def read_messages(connection, tag, messages: queue.Queue) -> None:
+    """Put each message of ``connection`` on ``messages`` as ``(tag, message)``, then ``(tag, ("exited",))``.
+
+    Runs on a thread of its own until the pipe ends, which happens once every process holding its write
+    end has exited; a message cut short by the writer's death ends it the same way and is dropped. A
+    complete message that cannot be unpickled is passed on as ``(tag, ("unreadable", traceback))``.
+    """
+    try:
+        while True:
+            try:
+                message = connection.recv()
+            except (EOFError, OSError):
+                return
+            except Exception:  # noqa: BLE001 - read whole but not unpicklable: the pipe is still in step
+                message = ("unreadable", traceback.format_exc())
+            messages.put((tag, message))
+    finally:
+        connection.close()
+        messages.put((tag, ("exited",)))

@@ -2,7 +2,7 @@
 
 vLLM never runs in the trainer's process: an engine stepping in there would compete with training for
 the GIL and the cores. Each worker is a spawned process, like the ``hf`` pool's, that dies with its
-parent (``PR_SET_PDEATHSIG``) and runs the same loop (``lit_parl.rollout.workers.serve``) around a
+parent (``PR_SET_PDEATHSIG``) and runs the same loop (``lit_parl.rollout.worker_loop.serve``) around a
 ``VLLMEngine`` (``lit_parl.rollout.vllm_engine``). It hosts the whole engine: the worker sets
 ``VLLM_ENABLE_V1_MULTIPROCESSING=0``, so vLLM's engine core and model runner run inside it. There is no
 further process to leak, and ``collective_rpc`` reaches the model in the same process, so the weights'
@@ -17,10 +17,9 @@ shared its batch. All of a worker's requests enter the engine at once, and vLLM'
 schedules them; prefix caching computes a group's shared prompt once. The worker steps the engine
 itself (``LLMEngine.step``) and emits each group, unscored, as soon as its G requests have finished.
 
-Log-probs: ``logprobs_mode="processed_logprobs"`` returns the log-softmax of logits / T, the distribution
-the token was sampled from, as the trainer computes it. With ``top_k``/``top_p`` the processed
-distribution is the renormalised, filtered one that was actually sampled from. The ``hf`` pool, and the
-trainer, compute the unfiltered softmax instead, so the two agree only without filtering (the default).
+Log-probs: the full softmax at T, as the trainer computes it, whatever ``top_k``/``top_p`` the engine
+draws with: the engine runs ``logprobs_mode="raw_logprobs"`` and the worker folds 1/T into the model's
+logits (``lit_parl.rollout.vllm_engine``), since no vLLM mode is "after the temperature, before the filter".
 
 Weights: the pool copies each bucket into shared-memory tensors as it arrives. Each worker loads them
 through a worker extension (``EngineArgs.worker_extension_cls``) that calls vLLM's in-place
@@ -46,7 +45,7 @@ from __future__ import annotations
 
 import functools
 
-from lit_parl.rollout.base import PoolSpec
+from lit_parl.rollout.base import BF16_LOGPROB_TOLERANCE, FP32_LOGPROB_TOLERANCE, PoolSpec
 from lit_parl.rollout.vllm_engine import EXTENSION, VLLMEngine
 from lit_parl.rollout.workers import SpawnedWorkerPool
 from lit_parl.trajectory import GroupRequest
@@ -74,7 +73,10 @@ class VLLMRolloutPool(SpawnedWorkerPool):
         seed: the engine's seed (every sample has its own seed anyway).
         engine_kwargs: more ``vllm.EngineArgs``, unchanged, e.g. ``gpu_memory_utilization`` on a GPU.
         start_timeout_s: how long the engines may take to start.
-        response_timeout_s: how long the pool waits for any answer of a worker.
+        response_timeout_s: how long a worker that owes an answer (a group, the end of its work, a sync
+            confirmation) may stay silent before it is taken for hung, killed and replaced.
+        max_restarts: dead or hung workers replaced within one ``generate`` or ``sync_weights`` call (their
+            unfinished requests re-issued with the same seeds); the next failure stops the run.
     """
 
     backend = "vllm"
@@ -98,14 +100,19 @@ class VLLMRolloutPool(SpawnedWorkerPool):
         engine_kwargs: dict | None = None,
         start_timeout_s: float = 600.0,
         response_timeout_s: float = 600.0,
+        max_restarts: int = 3,
     ) -> None:
-        super().__init__(num_workers, threads_per_worker, colocated_threads, start_timeout_s, response_timeout_s)
+        super().__init__(num_workers, threads_per_worker, colocated_threads, start_timeout_s, response_timeout_s, max_restarts)
+        if "logprobs_mode" in (engine_kwargs or {}):
+            raise ValueError(
+                "VLLMRolloutPool(engine_kwargs={'logprobs_mode': ...}): the pool sets the log-prob mode itself, so that "
+                "vLLM's log-probs are the trainer's (the full softmax at T); remove it"
+            )
         self.engine_args = {
             "skip_tokenizer_init": True,
             "dtype": dtype,
             "seed": seed,
             "enforce_eager": enforce_eager,
-            "logprobs_mode": "processed_logprobs",  # log-softmax of logits / T, like the trainer's
             "generation_config": "vllm",  # our SamplingParams are the whole truth, not the model's defaults
             "worker_extension_cls": EXTENSION,
             "disable_log_stats": True,
@@ -114,6 +121,18 @@ class VLLMRolloutPool(SpawnedWorkerPool):
             **({"max_num_seqs": int(max_num_seqs)} if max_num_seqs else {}),
             **dict(engine_kwargs or {}),
         }
+
+    def logprob_tolerance(self) -> float | None:
+        # float32: engine and trainer agree to well under 1e-4 per token (tests/vllm_backend); else bf16's bound
+        return FP32_LOGPROB_TOLERANCE if self.engine_args["dtype"] in ("float32", "float") else BF16_LOGPROB_TOLERANCE
+
+    def check_capacity(self, shape, sampling) -> None:
+        limit = self.engine_args.get("max_model_len")
+        if limit is not None and sampling.max_new_tokens + 1 > limit:
+            raise ValueError(
+                f"VLLMRolloutPool(max_model_len={limit}) cannot hold a prompt and sampling.max_new_tokens="
+                f"{sampling.max_new_tokens}: raise pool.max_model_len or lower sampling.max_new_tokens"
+            )
 
     def _engine(self, spec: PoolSpec, threads: int):
         return functools.partial(VLLMEngine, str(spec.model_dir), self.engine_args, spec.eos_id, threads)
