@@ -11,6 +11,9 @@ one dict or a list, ``n``, ``sampling_seed``, ``stop_token_ids``, ``return_logpr
 ``/init_weights_update_group``, ``/update_weights_from_distributed`` (gloo here, NCCL in SGLang),
 ``/pause_generation``, ``/continue_generation``, ``/flush_cache``.
 
+Log-probs as SGLang reports them: of the full softmax of logits / T, before top-k/top-p (the draw is from
+the filtered one); with ``SGLANG_RETURN_ORIGINAL_LOGPROB`` true, of the softmax before the temperature.
+
 Faults for the tests: ``--die-after-generates N`` exits abruptly while answering the (N+1)-th
 ``/generate``; ``--malformed`` drops ``meta_info`` from answers; ``--stale-version`` accepts updates but
 keeps its weight version; ``--exit-at-start`` exits with code 3 before serving.
@@ -39,6 +42,8 @@ class StandIn:
         self.args = args
         self.model = AutoModelForCausalLM.from_pretrained(args.model_path, attn_implementation="sdpa").eval()
         self.weight_version = "default"
+        # read as SGLang reads it: log-probs before the temperature
+        self.original_logprob = os.environ.get("SGLANG_RETURN_ORIGINAL_LOGPROB", "false").lower() in ("1", "true")
         self.paused = False
         self.generates = 0
         self.group = None
@@ -79,6 +84,8 @@ class StandIn:
         (sampled,) = list(sample_groups(self.model, [request], sampling, eos, eos))
         outputs = []
         for tokens, logprobs, reason in zip(sampled.completions, sampled.logprobs, sampled.finish_reasons):
+            if self.original_logprob:
+                logprobs = self._logprobs_before_temperature(prompt, tokens)
             meta = {
                 "finish_reason": {"type": reason, "matched": tokens[-1]} if reason == "stop" else {"type": "length", "length": len(tokens)},
                 "prompt_tokens": len(prompt),
@@ -92,6 +99,11 @@ class StandIn:
                 output = {"output_ids": tokens}
             outputs.append(output)
         return outputs
+
+    @torch.no_grad()
+    def _logprobs_before_temperature(self, prompt: list[int], tokens: list[int]) -> list[float]:
+        logits = self.model(torch.tensor([prompt + tokens])).logits[0, len(prompt) - 1 : -1].float()
+        return logits.log_softmax(-1).gather(-1, torch.tensor(tokens)[:, None])[:, 0].tolist()
 
     # -- weights ---------------------------------------------------------------------------------------
     def _load(self, named: list[tuple[str, torch.Tensor]], version: str | None) -> None:

@@ -21,6 +21,7 @@ from lit_parl.rollout.sglang import MalformedResponse, SGLangRolloutPool
 from lit_parl.rollout.sglang.messages import parse_group
 from lit_parl.tasks import CopyTask
 from lit_parl.trajectory import GroupCompletions, GroupRequest, SamplingParams, sample_seed
+from test_sampling_semantics import filtered_distribution
 
 pytest.importorskip("aiohttp")
 
@@ -28,10 +29,23 @@ STANDIN = [sys.executable, str(Path(__file__).with_name("sglang_standin.py"))]
 SAMPLING = SamplingParams(max_new_tokens=5, temperature=0.7)
 
 
-def free_port() -> int:
+def free_port(consecutive: int = 1) -> int:
+    """A port p with p .. p + consecutive - 1 free now (launched server i listens on the pool's port + i)."""
+    while True:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        if all(_bindable(port + i) for i in range(1, consecutive)):
+            return port
+
+
+def _bindable(port: int) -> bool:
     with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
 
 
 def alive(pid: int) -> bool:
@@ -79,7 +93,7 @@ def spec(tmp_path_factory) -> PoolSpec:
 
 def start_pool(spec: PoolSpec, **kwargs) -> SGLangRolloutPool:
     kwargs.setdefault("launch_command", STANDIN)
-    kwargs.setdefault("port", free_port())
+    kwargs.setdefault("port", free_port(kwargs.get("num_servers", 1)))
     kwargs.setdefault("start_timeout_s", 120)
     pool = SGLangRolloutPool(**kwargs)
     pool.start(spec)
@@ -204,6 +218,58 @@ def test_requests_of_another_version_are_refused(spec):
 
 
 # ------------------------------------------------------------------------------------------------------
+# which distribution the log-probs refer to: the full softmax at T, whatever top-k/top-p drew
+# ------------------------------------------------------------------------------------------------------
+def test_under_top_k_and_top_p_the_logprobs_are_the_full_softmax_at_t(spec):
+    peaked, _ = tiny_qwen2(seed=0)
+    with torch.no_grad():
+        peaked.model.norm.weight.mul_(3.0)  # logits 3x: a random init is too flat for top-p or T to show
+    sampling = SamplingParams(max_new_tokens=5, temperature=0.7, top_k=6, top_p=0.8)
+    pool = start_pool(spec)
+    try:
+        pool.sync_weights(buckets(peaked), version=0)
+        requests = requests_for(0, prompts=3)
+        groups = {g.prompt_id: g for g in pool.generate(requests, sampling)}
+    finally:
+        pool.close()
+    for request in requests:
+        for completion, logprobs in zip(groups[request.prompt_id].completions, groups[request.prompt_id].logprobs):
+            expected = trainer_logprobs(peaked, request.prompt_tokens, completion, 0.7)
+            torch.testing.assert_close(torch.tensor(logprobs), expected, atol=1e-4, rtol=0)
+            with torch.no_grad():
+                logits = peaked(torch.tensor([[*request.prompt_tokens, *completion]])).logits[0, len(request.prompt_tokens) - 1 : -1]
+            for t, token in enumerate(completion):
+                kept = filtered_distribution(logits[t], 0.7, 6, 0.8)
+                assert token in kept, f"token {token} at step {t} is outside the filtered set {sorted(kept)}"
+
+
+def test_sglang_return_original_logprob_is_refused_when_launching(saved_model, monkeypatch):
+    """With it, SGLang reports log-probs before the temperature (the stand-in too, shown on an attached
+    server, whose environment the pool cannot see)."""
+    model, spec, model_dir = saved_model
+    monkeypatch.setenv("SGLANG_RETURN_ORIGINAL_LOGPROB", "True")
+    pool = SGLangRolloutPool(launch_command=STANDIN, port=free_port())
+    with pytest.raises(ValueError, match=r"SGLANG_RETURN_ORIGINAL_LOGPROB=True is set: .* before temperature, .* Unset"):
+        pool.start(spec)
+    assert pool.health().workers == 0
+
+    process, url = launch_standin(model_dir)  # inherits the variable
+    pool = SGLangRolloutPool(urls=[url], sync_method="disk")
+    try:
+        pool.start(spec)
+        pool.sync_weights(buckets(model), version=0)
+        (request,) = requests_for(0, prompts=1, group_size=2)
+        (group,) = pool.generate([request], SAMPLING)
+    finally:
+        pool.close()
+        process.kill()
+        process.wait()
+    for completion, logprobs in zip(group.completions, group.logprobs):
+        torch.testing.assert_close(torch.tensor(logprobs), trainer_logprobs(model, request.prompt_tokens, completion, 1.0), atol=1e-4, rtol=0)
+        assert not torch.allclose(torch.tensor(logprobs), trainer_logprobs(model, request.prompt_tokens, completion, SAMPLING.temperature), atol=1e-4)
+
+
+# ------------------------------------------------------------------------------------------------------
 # failures while generating
 # ------------------------------------------------------------------------------------------------------
 def test_a_server_dying_mid_iteration_loses_and_duplicates_nothing(saved_model):
@@ -301,7 +367,7 @@ def test_training_through_the_sglang_pool(tmp_path, monkeypatch):
         cfg = compose(config_name="config", overrides=[
             "pool=sglang", "iterations=3", f"run_dir={tmp_path}", "checkpoint_every=0",
             "shape.prompts=8", "shape.micro_batch_size=16",
-            "pool.num_servers=2", f"pool.port={free_port()}", "pool.sync_method=tensor",
+            "pool.num_servers=2", f"pool.port={free_port(2)}", "pool.sync_method=tensor",
             f"pool.launch_command=[{STANDIN[0]},{STANDIN[1]}]", "pool.start_timeout_s=120",
         ])
     built = {}

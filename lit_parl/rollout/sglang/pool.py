@@ -20,13 +20,17 @@ from pathlib import Path
 from lit_parl.rollout.base import PoolSpec, RolloutPool, WeightBucket
 from lit_parl.rollout.sglang.client import HTTPClient, post_with_retries
 from lit_parl.rollout.sglang.messages import abort_reason, parse_group, sample_payload
-from lit_parl.rollout.sglang.servers import ServerFleet, router_command, server_command, stop_launched
+from lit_parl.rollout.sglang.servers import ServerFleet, check_server_env, router_command, server_command, stop_launched
 from lit_parl.rollout.sglang.weights import SYNC_METHODS, WeightUpdater
 from lit_parl.trajectory import GroupCompletions, GroupRequest, SamplingParams
 
 
 class SGLangRolloutPool(RolloutPool):
     """SGLang servers as the rollout pool: launch ``num_servers`` servers (``urls=None``) or attach to ``urls``.
+
+    Log-probs: SGLang reports each sampled token's in the full softmax of logits / T, before top-k and
+    top-p, which is the trainer's. ``SGLANG_RETURN_ORIGINAL_LOGPROB`` would make it the softmax before
+    temperature: the pool refuses to launch servers with it, and attached servers must run without it.
 
     Args:
         urls: running servers to attach to (never stopped by the pool); ``None``: launch servers.
@@ -128,6 +132,8 @@ class SGLangRolloutPool(RolloutPool):
 
     # -- RolloutPool -----------------------------------------------------------------------------------
     def _start(self, spec: PoolSpec) -> None:
+        if self.urls is None:
+            check_server_env(os.environ)  # an attached server's environment is its own (see the class docstring)
         self._eos_id = spec.eos_id
         workdir = tempfile.mkdtemp(prefix="lit_parl_sglang_")
         self._fleet = fleet = ServerFleet(workdir)

@@ -45,6 +45,21 @@ class Server:
     busy_to: float | None = None
 
 
+# SGLang reports each sampled token's log-prob in the full softmax of logits / T, before top-k/top-p, as
+# the trainer computes it; with this variable true ("1"/"true"), in the softmax before the temperature
+ORIGINAL_LOGPROB_ENV = "SGLANG_RETURN_ORIGINAL_LOGPROB"
+
+
+def check_server_env(env: dict[str, str]) -> None:
+    """Refuse an environment in which launched servers would report log-probs the trainer does not compute."""
+    value = env.get(ORIGINAL_LOGPROB_ENV)
+    if value is not None and value.lower() in ("1", "true"):  # how SGLang reads it
+        raise ValueError(
+            f"{ORIGINAL_LOGPROB_ENV}={value} is set: the SGLang servers would report log-probs of the softmax before "
+            f"temperature, but the trainer's are of logits / T. Unset {ORIGINAL_LOGPROB_ENV} for this run."
+        )
+
+
 def server_command(
     launch_command: list[str],
     model_path: str,
