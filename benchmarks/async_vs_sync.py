@@ -43,6 +43,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from lit_parl.callbacks import load_timeline
+
 ROOT = Path(__file__).resolve().parents[1]
 
 COMMON = [
@@ -91,7 +93,7 @@ def run_once(workload: str, mode: str, prompts: int, iterations: int, seed: int,
         if done.returncode != 0:
             raise RuntimeError(f"{workload}/{mode} failed:\n{done.stderr[-3000:]}")
         rows = list(csv.DictReader(open(Path(run_dir) / "metrics.csv")))
-        timeline = json.loads((Path(run_dir) / "timeline.json").read_text())
+        timeline = load_timeline(Path(run_dir) / "timeline.jsonl")
         summary = json.loads((Path(run_dir) / "summary.json").read_text())
     rows = [r for r in rows if r.get("completions_per_s")]
     warm = max(2, len(rows) // 5)  # the first iterations pay for start-up and allocator warm-up

@@ -16,7 +16,7 @@ from .contracts import (
     WeightReceiver,
 )
 from .hf_export import HFExport
-from .pipeline_timeline import PipelineTimeline
+from .pipeline_timeline import PipelineTimeline, load_timeline
 from .run_summary import RunSummary
 from .weight_sync import WeightSync
 
@@ -34,4 +34,5 @@ __all__ = [
     "TrainIntervals",
     "WeightReceiver",
     "WeightSync",
+    "load_timeline",
 ]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import time
+from collections import deque
 from pathlib import Path
 from typing import Any
 
@@ -36,9 +37,10 @@ class PipelineTimeline(Callback):
 
     which is 1.0 when the shorter side is fully hidden behind the longer one and 0.0 when the two took
     turns. ``iteration_wall`` runs from the iteration's first request to its last training step; the weight
-    sync before it is drawn but not counted. At the end of fit it writes ``timeline.json`` (every interval
-    of every iteration, in seconds since the first epoch started) and ``timeline.png``, a Gantt chart of
-    the last ``window`` iterations.
+    sync before it is drawn but not counted. Each iteration's intervals (in seconds since the first epoch
+    started) are appended to ``timeline.jsonl`` as it ends (one JSON object per line; ``load_timeline``
+    reads it), and only the last ``window`` stay in memory, so a run of any length holds the same. At the
+    end of fit it draws those into ``timeline.png``, a Gantt chart.
 
     It reads the generation side from the last record of ``trainer.datamodule.history``
     (:class:`~lit_parl.callbacks.IterationHistory`: ``requested_at``, ``gen_intervals``), the training side
@@ -46,11 +48,11 @@ class PipelineTimeline(Callback):
     the one other callback with ``sync_intervals`` (:class:`~lit_parl.callbacks.SyncTimes`, e.g.
     ``WeightSync``); with no such callback there is no sync row. The recorded iterations survive a checkpoint.
 
-    Override ``plot(path)`` to draw the chart differently (``self.iterations`` holds the data).
+    Override ``plot(path)`` to draw the chart differently (``self.iterations`` holds the last ``window``).
 
     Args:
-        dirpath: where ``timeline.json`` and ``timeline.png`` go. ``None``: ``trainer.default_root_dir``.
-        window: how many of the last iterations the chart shows.
+        dirpath: where ``timeline.jsonl`` and ``timeline.png`` go. ``None``: ``trainer.default_root_dir``.
+        window: how many of the last iterations are kept in memory and drawn.
 
     Raises:
         TypeError: at fit start, when the datamodule has no ``history`` of records or the LightningModule no
@@ -80,15 +82,19 @@ class PipelineTimeline(Callback):
         >>> [(it["iteration"], round(it["gen_busy_s"], 3), round(it["train_busy_s"], 3)) for it in timeline.iterations]
         [(0, 0.1, 0.2), (1, 0.1, 0.2)]
         >>> sorted(path.name for path in Path(timeline.dirpath).iterdir())
-        ['timeline.json', 'timeline.png']
+        ['timeline.jsonl', 'timeline.png']
+        >>> [it["iteration"] for it in load_timeline(Path(timeline.dirpath) / "timeline.jsonl")]
+        [0, 1]
     """
 
     def __init__(self, dirpath: str | None = None, window: int = 6) -> None:
         self.dirpath = dirpath
         self.window = window
-        self.iterations: list[dict[str, Any]] = []  # checkpointed
+        self.iterations: deque[dict[str, Any]] = deque(maxlen=window)  # the last `window`; checkpointed
+        self.count = 0  # iterations recorded in the whole run (timeline.jsonl's lines); checkpointed
         self._sync_source: SyncTimes | None = None
-        self._sync_seen = 0
+        self._last_sync: tuple[float, float] | None = None  # the newest sync interval already drawn
+        self._file: Path | None = None
         self._last_record: Any = None
         self._epoch_start = 0.0
         self._origin: float | None = None  # monotonic time that is 0 s in self.iterations
@@ -108,9 +114,14 @@ class PipelineTimeline(Callback):
                 f"{', '.join(type(cb).__name__ for cb in sources)}. Keep one of them."
             )
         self._sync_source = sources[0] if sources else None
-        self._sync_seen = len(sources[0].sync_intervals) if sources else 0
+        self._last_sync = sources[0].sync_intervals[-1] if sources and sources[0].sync_intervals else None
         self._last_record = None
         self._origin = None
+        self._file = Path(self.dirpath or trainer.default_root_dir) / "timeline.jsonl"
+        if trainer.is_global_zero:  # keep the lines of the iterations this run restored (none for a new run)
+            kept = self._file.read_text().splitlines(keepends=True)[: self.count] if self._file.exists() and self.count else []
+            self._file.parent.mkdir(parents=True, exist_ok=True)
+            self._file.write_text("".join(kept))
 
     def on_train_epoch_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self._epoch_start = time.monotonic()
@@ -130,17 +141,20 @@ class PipelineTimeline(Callback):
         end = time.monotonic()
         train = list(pl_module.train_intervals)
         sync: list[tuple[float, float]] = []
-        if self._sync_source is not None:  # the syncs since the last epoch end: this iteration's
-            sync = list(self._sync_source.sync_intervals[self._sync_seen :])
-            self._sync_seen = len(self._sync_source.sync_intervals)
+        if self._sync_source is not None:  # the syncs since the last epoch end (the source may keep only its last few)
+            for interval in reversed(self._sync_source.sync_intervals):
+                if interval == self._last_sync:
+                    break
+                sync.insert(0, tuple(interval))
+            self._last_sync = sync[-1] if sync else self._last_sync
         gen = list(record.gen_intervals)
         gen_busy, train_busy = _union_length(gen), _union_length(train)
         # the iteration's window: from its requests to its last training step (the weight sync before it is apart)
         wall = (train[-1][1] if train else end) - record.requested_at
         efficiency = overlap_efficiency(gen_busy, train_busy, wall)
         o = self._origin - self._offset
-        self.iterations.append({
-            "iteration": len(self.iterations),
+        entry = {
+            "iteration": self.count,
             "sync": [(s - o, e - o) for s, e in sync],
             "generate": [(s - o, e - o) for s, e in gen],
             "train": [(s - o, e - o) for s, e in train],
@@ -150,16 +164,18 @@ class PipelineTimeline(Callback):
             "train_busy_s": train_busy,
             "wall_s": wall,
             "overlap_efficiency": efficiency,
-        })
+        }
+        self.iterations.append(entry)
+        self.count += 1
+        if trainer.is_global_zero:
+            with self._file.open("a") as lines:
+                lines.write(json.dumps(entry) + "\n")
         pl_module.log("overlap_efficiency", efficiency, on_epoch=True)
 
     def on_fit_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         if not trainer.is_global_zero or not self.iterations:
             return
-        directory = Path(self.dirpath or trainer.default_root_dir)
-        directory.mkdir(parents=True, exist_ok=True)
-        (directory / "timeline.json").write_text(json.dumps(self.iterations))
-        self.plot(directory / "timeline.png")
+        self.plot(self._file.parent / "timeline.png")
 
     def plot(self, path: Path) -> None:
         """Draw the last ``window`` iterations of ``self.iterations`` as a Gantt chart into ``path``."""
@@ -168,7 +184,7 @@ class PipelineTimeline(Callback):
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
 
-        shown = self.iterations[-self.window :]
+        shown = list(self.iterations)
         t0 = shown[0]["start"]
         rows = [("rollout pool: generate", "generate", "#1f77b4"), ("trainer: train", "train", "#ff7f0e")]
         if any(it["sync"] for it in shown):
@@ -188,8 +204,14 @@ class PipelineTimeline(Callback):
         plt.close(fig)
 
     def state_dict(self) -> dict[str, Any]:
-        return {"iterations": self.iterations}
+        return {"iterations": list(self.iterations), "count": self.count}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self.iterations = list(state_dict["iterations"])
+        self.iterations = deque(state_dict["iterations"], maxlen=self.window)
+        self.count = state_dict.get("count", len(state_dict["iterations"]))  # older checkpoints kept every iteration
         self._offset = self.iterations[-1]["end"] if self.iterations else 0.0
+
+
+def load_timeline(path: str | Path) -> list[dict[str, Any]]:
+    """The iterations a ``PipelineTimeline`` wrote to ``timeline.jsonl``, in order."""
+    return [json.loads(line) for line in Path(path).read_text().splitlines() if line]

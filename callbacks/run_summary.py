@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import time
+from collections import deque
 from pathlib import Path
 from typing import Any
 
@@ -27,7 +28,8 @@ class RunSummary(Callback):
 
     Args:
         dirpath: where ``summary.json`` goes. ``None``: ``trainer.default_root_dir``.
-        last_n: ``reward_last10`` is the mean reward of the last ``last_n`` iterations.
+        last_n: ``reward_last<last_n>`` (``reward_last10`` by default) is the mean reward of the last
+            ``last_n`` iterations.
 
     Raises:
         TypeError: at fit start, when the datamodule has no ``history`` of records or the LightningModule no
@@ -60,8 +62,11 @@ class RunSummary(Callback):
     def __init__(self, dirpath: str | None = None, last_n: int = 10) -> None:
         self.dirpath = dirpath
         self.last_n = last_n
-        # the run's totals: checkpointed, so a resumed run's summary covers the whole run
-        self.rewards: list[float] = []
+        # the run's totals: checkpointed, so a resumed run's summary covers the whole run. Of the rewards,
+        # only the first and the last `last_n`: a run of any length holds the same.
+        self.iterations = 0
+        self.reward_first: float | None = None
+        self.rewards: deque[float] = deque(maxlen=last_n)
         self.completions = 0
         self.tokens = 0
         self.gen_busy_s = 0.0
@@ -98,7 +103,10 @@ class RunSummary(Callback):
         self._last_record = record
         wall = max(time.monotonic() - self._epoch_start, 1e-9)
         train_busy = sum(end - start for start, end in pl_module.train_intervals)
-        self.rewards.append(float(record.reward_mean))  # the iteration's rollouts, before any reward shaping
+        reward = float(record.reward_mean)  # the iteration's rollouts, before any reward shaping
+        self.reward_first = reward if self.iterations == 0 else self.reward_first
+        self.rewards.append(reward)
+        self.iterations += 1
         self.completions += record.completions
         self.tokens += record.completion_tokens
         self.gen_busy_s += record.gen_busy_s
@@ -112,12 +120,11 @@ class RunSummary(Callback):
     def make_summary(self, trainer: Trainer) -> dict[str, Any]:
         """The summary of the run so far (what ``summary.json`` holds)."""
         wall = self._total_wall_s()
-        last = self.rewards[-self.last_n :]
         return {
-            "iterations": len(self.rewards),
+            "iterations": self.iterations,
             "mode": getattr(trainer.datamodule, "mode", None),  # optional: lit_parl's "async" / "sync"
-            "reward_first": self.rewards[0] if self.rewards else None,
-            "reward_last10": sum(last) / len(last) if last else None,
+            "reward_first": self.reward_first,
+            f"reward_last{self.last_n}": sum(self.rewards) / len(self.rewards) if self.rewards else None,
             "wall_s": round(wall, 3),
             "completions": self.completions,
             "completions_per_s": round(self.completions / max(wall, 1e-9), 2),
@@ -144,6 +151,8 @@ class RunSummary(Callback):
 
     def state_dict(self) -> dict[str, Any]:
         return {
+            "iterations": self.iterations,
+            "reward_first": self.reward_first,
             "rewards": list(self.rewards),
             "completions": self.completions,
             "tokens": self.tokens,
@@ -153,7 +162,10 @@ class RunSummary(Callback):
         }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self.rewards = list(state_dict["rewards"])
+        rewards = state_dict["rewards"]  # checkpoints before the bounded record held every iteration's
+        self.iterations = state_dict.get("iterations", len(rewards))
+        self.reward_first = state_dict.get("reward_first", rewards[0] if rewards else None)
+        self.rewards = deque(rewards, maxlen=self.last_n)
         self.completions = state_dict["completions"]
         self.tokens = state_dict["tokens"]
         self.gen_busy_s = state_dict["gen_busy_s"]

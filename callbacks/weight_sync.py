@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import time
+from collections import deque
 from collections.abc import Iterable, Iterator
 
 import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
 
 from .contracts import HasPolicy, HasRolloutPool, IterationGate, WeightBucket, WeightReceiver, contract_problems, require
+
+SYNCS_KEPT = 64  # sync intervals kept for readers such as PipelineTimeline (one per iteration)
 
 
 class WeightSync(Callback):
@@ -71,7 +74,8 @@ class WeightSync(Callback):
                     fix="Pass an object with a `sync_weights(buckets, version)` method, such as a lit_parl.rollout pool.")
         self.pool = pool
         self.bucket_bytes = bucket_bytes
-        self.sync_intervals: list[tuple[float, float]] = []  # (start, end) monotonic, one per epoch (SyncTimes)
+        # (start, end) monotonic, one per epoch (SyncTimes); the last few only, so a long run holds the same
+        self.sync_intervals: deque[tuple[float, float]] = deque(maxlen=SYNCS_KEPT)
         self._receiver: WeightReceiver | None = None
         self._gate: IterationGate | None = None
 

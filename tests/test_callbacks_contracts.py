@@ -20,7 +20,7 @@ from lightning.pytorch import LightningDataModule, LightningModule
 from torch.utils.data import DataLoader, IterableDataset
 
 import lit_parl.callbacks
-from lit_parl.callbacks import HFExport, PipelineTimeline, RunSummary, WeightSync
+from lit_parl.callbacks import HFExport, PipelineTimeline, RunSummary, WeightSync, load_timeline
 
 pytestmark = [
     pytest.mark.filterwarnings("ignore::lightning.fabric.utilities.warnings.PossibleUserWarning"),  # few workers
@@ -376,7 +376,7 @@ def test_run_summary_writes_the_counts(tmp_path, capsys):
     assert written["iterations"] == 3
     assert written["completions"] == 3 * COMPLETIONS
     assert written["reward_first"] == pytest.approx(rewards[0])
-    assert written["reward_last10"] == pytest.approx(sum(rewards[-2:]) / 2)
+    assert written["reward_last2"] == pytest.approx(sum(rewards[-2:]) / 2)  # the key names last_n
     assert written["gen_busy_s"] == pytest.approx(sum(r.gen_busy_s for r in data.history), abs=1e-3)
     assert summary.train_busy_s > 0 and written["wall_s"] > 0  # (written: rounded to ms)
     assert written["tokens_per_s"] == pytest.approx(3 * COMPLETIONS * TOKENS_PER_COMPLETION / summary.wall_s, abs=0.01)
@@ -445,7 +445,7 @@ def test_pipeline_timeline_writes_json_and_png(tmp_path):
     timeline = PipelineTimeline(dirpath=str(tmp_path))
     fit(PolicyModel(), ForeignData(FakePool()), [sync, timeline], epochs=3)
 
-    iterations = json.loads((tmp_path / "timeline.json").read_text())
+    iterations = load_timeline(tmp_path / "timeline.jsonl")
     assert (tmp_path / "timeline.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert [it["iteration"] for it in iterations] == [0, 1, 2]
     origin = timeline._origin
@@ -459,7 +459,7 @@ def test_pipeline_timeline_writes_json_and_png(tmp_path):
 def test_pipeline_timeline_without_a_sync_callback_has_no_sync_row(tmp_path):
     timeline = PipelineTimeline(dirpath=str(tmp_path))
     fit(PolicyModel(), ForeignData(FakePool()), [timeline], epochs=2)  # no WeightSync: the datamodule has no gate to open
-    iterations = json.loads((tmp_path / "timeline.json").read_text())
+    iterations = load_timeline(tmp_path / "timeline.jsonl")
     assert len(iterations) == 2 and all(it["sync"] == [] for it in iterations)
     assert (tmp_path / "timeline.png").exists()
 
