@@ -175,12 +175,13 @@ class TrainedSamples(Callback):
         assert sorted(self.samples) == expected
 
 
-def _train(pool: FaultPool, callbacks=()) -> dict:
+def _train(pool: FaultPool, callbacks=(), prefetch: bool = False) -> dict:
     """Fits; returns the final weights and every group as trained, by (version, prompt id)."""
     module, data = make_components(
         pool=pool, prompts=PROMPTS, group_size=GROUP, micro_batch_size=8,
         optimizer=functools.partial(torch.optim.SGD, lr=0.5), max_grad_norm=None,
     )
+    data.prefetch = prefetch  # on: each iteration's groups are consumed (and workers replaced) on a thread of its own
     fit(module, data, ITERATIONS, callbacks=callbacks)
     groups = {(g.version, g.prompt_id): (g.completions, g.logprobs, g.finish_reasons) for g in pool.returned}
     assert len(groups) == len(pool.returned) == ITERATIONS * PROMPTS
@@ -255,6 +256,19 @@ def test_killed_and_crashed_workers_are_replaced_and_the_run_trains_what_an_undi
     assert "rollout worker 0" in killed and "was killed by SIGKILL (exit code -9) while generating" in killed
     assert "re-issued 4 request(s) in 2 piece(s) (0 of their groups" in killed
     assert pool.restarts == [1, 3]  # health().details["restarts"] at the end of each iteration
+    trained.assert_each_scheduled_sample_once()
+    _assert_same_run(run, undisturbed)
+
+
+def test_a_replacement_started_from_the_prefetch_thread_outlives_that_thread(undisturbed, caplog):
+    """Linux kills a child whose PR_SET_PDEATHSIG parent *thread* exits: a worker replaced while the
+    per-iteration prefetch thread consumes the stream must survive the end of that thread."""
+    pool = FaultPool(HFRolloutPool(**POOL), {(0, "first"): _signal_worker(signal.SIGKILL, 0)})
+    trained = TrainedSamples()
+    with caplog.at_level(logging.WARNING, logger="lit_parl"):
+        run = _train(pool, [trained], prefetch=True)
+    assert len(_restart_warnings(caplog)) == 1, "the replacement died with the thread that started it"
+    assert pool.restarts == [1, 1]
     trained.assert_each_scheduled_sample_once()
     _assert_same_run(run, undisturbed)
 

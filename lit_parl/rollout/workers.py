@@ -37,6 +37,7 @@ import signal
 import threading
 import time
 import weakref
+from concurrent.futures import ThreadPoolExecutor
 from abc import abstractmethod
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
@@ -46,7 +47,7 @@ import torch
 import torch.multiprocessing as mp
 
 from lit_parl.rollout.base import PoolSpec, RolloutPool, WeightBucket
-from lit_parl.rollout.processes import read_messages, stop_workers, unguarded_main_script
+from lit_parl.rollout.processes import descendants, kill_if_same, read_messages, stop_workers, unguarded_main_script
 from lit_parl.rollout.worker_loop import WorkerEngine, serve
 from lit_parl.trajectory import GroupCompletions, GroupRequest, SamplingParams
 
@@ -68,6 +69,7 @@ class _Worker:
     owed_syncs: list[int] = field(default_factory=list)  # versions sent, not yet confirmed, in order
     hung: bool = False
     gone_at: float | None = None
+    descendants: dict[int, int] = field(default_factory=dict)  # noted before a hung worker is killed
 
     @property
     def settled(self) -> bool:
@@ -147,6 +149,10 @@ class SpawnedWorkerPool(RolloutPool):
         self._next_watch = 0.0
         self._lock = threading.Lock()  # a replacement never starts a process while close() stops them
         self._finalizer = None
+        # Every worker is started from this one thread, which lives as long as the pool. Linux delivers a
+        # child's PR_SET_PDEATHSIG when the *thread* that forked it exits: a replacement started from the
+        # thread consuming `generate` (a per-iteration prefetch thread) would be killed with that thread.
+        self._launcher: ThreadPoolExecutor | None = None
 
     # -- what a subclass provides ----------------------------------------------------------------------
     @abstractmethod
@@ -162,6 +168,7 @@ class SpawnedWorkerPool(RolloutPool):
         self._messages = queue.Queue()
         self._workers, self._processes, self._inboxes = [], [], []
         self._restarts, self._open = 0, True
+        self._launcher = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"{self.process_name}-launcher")
         # stop the workers even if the owner forgets to close the pool (garbage collection, interpreter exit)
         self._finalizer = weakref.finalize(self, stop_workers, self._processes, self._inboxes)
         self._make_engine = self._engine(spec, self._worker_threads(spec.colocated))
@@ -299,8 +306,11 @@ class SpawnedWorkerPool(RolloutPool):
             finalizer = self._finalizer
         if finalizer is not None:
             finalizer()
+        if self._launcher is not None:  # after the workers are stopped: its end would kill them
+            self._launcher.shutdown(wait=False)
         # a restarted pool attaches fresh shared tensors to its new workers
         self._workers, self._processes, self._inboxes, self._shared, self._finalizer = [], [], [], None, None
+        self._launcher = None
 
     def reserved_cpus(self, colocated: bool) -> int:
         return 0 if colocated else self.num_workers * self.threads_per_worker
@@ -327,7 +337,7 @@ class SpawnedWorkerPool(RolloutPool):
         with self._lock:
             if not self._open:
                 raise RuntimeError(f"the pool was closed before {self.worker_label} {index} could be replaced")
-            process.start()
+            self._launcher.submit(process.start).result()
             worker = _Worker(index, process, inbox, heard=time.monotonic())
             if index < len(self._workers):
                 old = self._workers[index].inbox
@@ -357,6 +367,7 @@ class SpawnedWorkerPool(RolloutPool):
         if process.is_alive():
             process.kill()
             process.join(timeout=5.0)
+        kill_if_same(worker.descendants)
         cause = self._cause(worker)
         if restarts >= self.max_restarts:
             raise RuntimeError(
@@ -431,6 +442,8 @@ class SpawnedWorkerPool(RolloutPool):
                     limit = self.response_timeout_s if worker.ready else self.start_timeout_s
                     if now - worker.heard > limit:
                         worker.hung = True
+                        # its engine's own processes are re-parented, and lost from view, once it has gone
+                        worker.descendants = descendants([worker.process.pid])
                         worker.process.kill()  # its pipe ends, and it is replaced like a dead one
         try:
             worker, message = self._messages.get(timeout=_POLL_S)

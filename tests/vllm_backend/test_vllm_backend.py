@@ -10,6 +10,8 @@
   prompts whose KV the prefix cache holds; syncing the old weights back reproduces the old samples.
 * ``close`` leaves no process behind and the model directory it was given as it was; a SIGKILLed
   trainer takes its workers with it.
+* A worker killed with its work unfinished is replaced: every prompt comes back once, with the
+  undisturbed call's samples and log-probs.
 * Three iterations of the default job through the CLI with ``pool=vllm``: versions 0, 1, 2, every
   group stamped with its iteration's version, and a rollout/trainer log-prob mismatch near zero.
 
@@ -27,6 +29,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from pathlib import Path
 
@@ -342,6 +345,37 @@ def test_two_workers_share_the_requests_and_close_leaves_nothing_behind(tmp_path
     assert pool.health() == PoolHealth(backend="vllm", started=False, workers=0, alive=0, version=None)
     assert sorted(p.name for p in (tmp_path / "model").iterdir()) == files, "the pool changed a model directory it does not own"
     pool.close()  # idempotent
+
+
+def test_a_vllm_worker_killed_mid_generation_is_replaced_and_its_groups_come_back_unchanged(tmp_path):
+    """The restart path the hf pool's fault tests exercise, with the vLLM engine: the worker is killed while it
+    owes the whole call's work; a replacement loads the pool's version, the work is sent again with the
+    same seeds, and every prompt comes back once, with the samples and log-probs of an undisturbed call."""
+    model, tokenizer = tiny()
+    pool = VLLMRolloutPool(kv_cache_memory_bytes=KV_CACHE, max_restarts=1)
+    sampling = SamplingParams(max_new_tokens=MAX_NEW, temperature=0.7)
+    try:
+        pool.start(save_spec(model, tokenizer, tmp_path / "model"))
+        version = sync(pool, model)
+        requests = group_requests(tokenizer, version, range(6))
+        undisturbed = by_prompt(pool.generate(requests, sampling))
+        # stopped before the requests go out and killed a second later: it dies with all of its work unfinished
+        killed = pool.pids()[0]
+        os.kill(killed, signal.SIGSTOP)
+        timer = threading.Timer(1.0, os.kill, (killed, signal.SIGKILL))
+        timer.start()
+        try:
+            groups = list(pool.generate(requests, sampling))
+        finally:
+            timer.cancel()
+        assert pool.health().details["restarts"] == 1 and pool.pids()[0] != killed
+        assert sorted(g.prompt_id for g in groups) == list(range(6)), "a prompt was lost or came twice"
+        for group in groups:
+            assert group.version == version and group.completions == undisturbed[group.prompt_id].completions
+            torch.testing.assert_close(group.logprobs, undisturbed[group.prompt_id].logprobs, atol=1e-5, rtol=0)
+        assert max_logprob_gap(model, requests, groups, sampling.temperature) < 1e-4, "the replacement holds other weights"
+    finally:
+        pool.close()
 
 
 def test_a_sigkilled_trainer_takes_its_vllm_worker_with_it(tmp_path):
