@@ -78,7 +78,7 @@ class RolloutDataModule(LightningDataModule):
         logprob_tolerance: the runtime on-policy check: the largest mean |rollout - θ_k| log-prob per token a
             micro-batch may show before the run stops (the pool did not use the weights it reported);
             ``"auto"``: the pool's own (``RolloutPool.logprob_tolerance``), at least the bfloat16 bound when
-            the trainer runs in lower precision; ``None``: no check.
+            the trainer runs in lower precision or on an accelerator; ``None``: no check.
     """
 
     def __init__(
@@ -184,10 +184,13 @@ class RolloutDataModule(LightningDataModule):
         if self.logprob_tolerance != "auto":
             return self.logprob_tolerance
         tolerance = self.pool.logprob_tolerance()
-        precision = str(self.trainer.precision) if self.trainer is not None else "32-true"
-        if tolerance is not None and precision not in ("32-true", "32", "64-true", "64"):
-            tolerance = max(tolerance, BF16_LOGPROB_TOLERANCE)  # the trainer's own log-probs are bf16/fp16 then
-        return tolerance
+        if tolerance is None or self.trainer is None:
+            return tolerance
+        low_precision = str(self.trainer.precision) not in ("32-true", "32", "64-true", "64")
+        # the float32 bounds were measured against a float32 trainer on the CPU; an accelerator's float32
+        # kernels (TF32 matmuls, other reductions) were not: there the bf16 bound applies unless one is set
+        accelerator = not isinstance(self.trainer.accelerator, CPUAccelerator)
+        return max(tolerance, BF16_LOGPROB_TOLERANCE) if low_precision or accelerator else tolerance
 
     def _stream_iteration(self):
         """Waits for the gate, then hands out the iteration's micro-batches.

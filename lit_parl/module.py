@@ -40,7 +40,8 @@ from torchmetrics import MaxMetric, MeanMetric
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from lit_parl.data.shape import IterationShape
-from lit_parl.guards import NonFiniteGuard, check_on_policy, logprob_mismatch
+from lit_parl.data.gate import OffPolicyError
+from lit_parl.guards import NonFiniteGuard, logprob_mismatch, off_policy_problem, worst_group_mismatch
 from lit_parl.kernels.attention import resolve_backend
 from lit_parl.kernels.forward import check_supported, completion_logprobs
 from lit_parl.limits import check_memory, context_length
@@ -122,6 +123,7 @@ class GRPOModule(LightningModule):
         self.logprob_chunk_size = logprob_chunk_size
         self._backend: str | None = None
         self.guard = NonFiniteGuard(on_nonfinite)
+        self._off_policy: str | None = None  # what the on-policy check found in this optimizer step's micro-batches
         self.reference = _frozen_copy(policy) if objective.needs_reference else None
         self.old = _frozen_copy(policy) if shape.optimizer_steps > 1 else None
         self._normaliser = 0.0
@@ -144,6 +146,12 @@ class GRPOModule(LightningModule):
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
     def on_fit_start(self) -> None:
+        if str(self.trainer.precision).startswith("16"):
+            raise ValueError(
+                f"Trainer(precision={self.trainer.precision!r}) is not supported: float16 needs a loss scaler, which the "
+                "manual optimizer step (gradient normalised per mini-batch, non-finite steps skipped) does not run. "
+                "Use precision='bf16-mixed' or '32-true'."
+            )
         self._backend = resolve_backend(self.attention_backend, self.device)
 
     def on_train_epoch_start(self) -> None:
@@ -200,8 +208,11 @@ class GRPOModule(LightningModule):
         terms = objective(logp, old_logp, ref_logp, advantages, batch.completion_mask, batch.rollout_logprobs, entropy)
         values = {"advantages": advantages, "log-probs": logp, "rollout log-probs": batch.rollout_logprobs, "loss": terms.loss_sum}
         finite = self.guard.inspect(values, batch.prompt_ids)
-        # backward even when not finite: under DDP every rank must join each backward's gradient reduction;
-        # the guard drops the whole optimizer step instead
+        if batch.pass_index == 0 and self._off_policy is None:  # the samples, not their labels, show the weights used
+            worst, prompt_id = worst_group_mismatch(batch.rollout_logprobs, old_logp, batch.completion_mask, batch.prompt_ids)
+            self._off_policy = off_policy_problem(worst, prompt_id, batch.logprob_tolerance, batch.version)
+        # Backward even now: under DDP every rank must join each backward's gradient reduction. Both checks
+        # are decided at the optimizer step, on every rank at once, before any weight moves.
         self.manual_backward(terms.loss_sum)
         self._normaliser += float(terms.normaliser)
         if finite:
@@ -231,10 +242,8 @@ class GRPOModule(LightningModule):
             m["length_max"].update(lengths)
             m["truncated"].update(batch.truncated.float())
             m["zero_variance"].update(batch.zero_variance.float())
-            # the rollout engine's log-probs against θ_k's, on the same tokens: samples, not labels, show
-            # which weights the pool used
-            abs_sum, kl_sum, mismatch_tokens = logprob_mismatch(batch.rollout_logprobs, old_logp, mask)
-            check_on_policy(abs_sum, mismatch_tokens, batch.logprob_tolerance, batch.version, batch.prompt_ids)
+            # the rollout engine's log-probs against θ_k's, on the same tokens
+            abs_sum, kl_sum, _ = logprob_mismatch(batch.rollout_logprobs, old_logp, mask)
             m["mismatch_abs"].update(abs_sum / tokens, weight=tokens)
             m["mismatch_kl"].update(kl_sum / tokens, weight=tokens)
 
@@ -242,11 +251,15 @@ class GRPOModule(LightningModule):
     def _optimizer_step(self) -> None:
         optimizer = self.optimizers()
         # DDP averages gradients over ranks; the normaliser spans every rank's samples. One reduction carries
-        # the normaliser, the loss and how many ranks saw a non-finite value.
+        # the normaliser, the loss and how many ranks saw a non-finite value or off-policy samples, so every
+        # rank takes the same decision (a rank raising alone would leave the others in a collective).
         world = self.trainer.world_size
-        local = torch.tensor([self._normaliser, self._loss_sum, float(self.guard.pending)], device=self.device)
-        total, loss_sum, flagged = self.trainer.strategy.reduce(local, reduce_op="sum").tolist()
+        flags = [float(self.guard.pending), float(self._off_policy is not None)]
+        local = torch.tensor([self._normaliser, self._loss_sum, *flags], device=self.device)
+        total, loss_sum, flagged, off_policy = self.trainer.strategy.reduce(local, reduce_op="sum").tolist()
         self._normaliser, self._loss_sum = 0.0, 0.0
+        if off_policy > 0:
+            raise OffPolicyError(self._off_policy or "another rank's rollout log-probs differ from θ_k's beyond datamodule.logprob_tolerance")
         if total > 0:
             scale = world / total
             for parameter in self.policy.parameters():

@@ -37,7 +37,7 @@ class KeepsFirstWeights(WrappedPool):
 
 
 def test_a_pool_that_keeps_old_weights_under_the_new_version_stops_the_run():
-    """Even one missed step at lr 1e-5 shows in the log-probs (~4e-4 per token, against ~1e-7 when on-policy)."""
+    """Even one missed step at lr 1e-5 shows in the log-probs (~1e-3 per token, against ~1e-7 when on-policy)."""
     module, data = make_components(pool=KeepsFirstWeights(_pool()), lr=1e-5)
     steps = []
 
@@ -57,19 +57,45 @@ def test_the_check_can_be_turned_off_and_then_the_stale_run_completes():
     assert data.iterations_done == 2
 
 
-def test_the_tolerance_comes_from_the_pool_and_widens_for_a_low_precision_trainer():
+def test_the_tolerance_comes_from_the_pool_and_widens_for_a_low_precision_trainer_or_an_accelerator():
+    from types import SimpleNamespace
+
+    from lightning.pytorch.accelerators import CPUAccelerator, CUDAAccelerator
+
     module, data = make_components(pool=_pool())
     assert data.resolved_logprob_tolerance() == HFRolloutPool().logprob_tolerance() < 1e-3
-
-    class Trainer:
-        precision = "bf16-mixed"
-
-    data.trainer = Trainer()
+    data.trainer = SimpleNamespace(precision="32-true", accelerator=CPUAccelerator())
+    assert data.resolved_logprob_tolerance() == HFRolloutPool().logprob_tolerance()
+    data.trainer = SimpleNamespace(precision="bf16-mixed", accelerator=CPUAccelerator())
+    assert data.resolved_logprob_tolerance() == BF16_LOGPROB_TOLERANCE
+    data.trainer = SimpleNamespace(precision="32-true", accelerator=CUDAAccelerator())  # not measured there: bf16's bound
     assert data.resolved_logprob_tolerance() == BF16_LOGPROB_TOLERANCE
     data.logprob_tolerance = 0.3
     assert data.resolved_logprob_tolerance() == 0.3
     with pytest.raises(ValueError, match=r"logprob_tolerance=-1\): give a number > 0"):
         RolloutDataModule(CopyTask(), _pool(), module.tokenizer, module.shape, module.objective, module.policy, logprob_tolerance=-1)
+
+
+class OneGroupSlightlyOff(WrappedPool):
+    """Shifts every log-prob of one group of each iteration after the first by ``shift``: as if one worker of
+    several held slightly other weights. The micro-batch's mean stays under the tolerance; the group's does not."""
+
+    def __init__(self, inner, shift: float) -> None:
+        super().__init__(inner)
+        self.shift = shift
+
+    def transform(self, groups):
+        for group in groups:
+            if group.version == 1 and group.prompt_id == 9:
+                group.logprobs = [[lp + self.shift for lp in sample] for sample in group.logprobs]
+            yield group
+
+
+def test_one_stale_group_is_not_averaged_away_by_the_others_in_its_micro_batch():
+    tolerance = InProcessPool().logprob_tolerance()
+    module, data = make_components(pool=OneGroupSlightlyOff(InProcessPool(), shift=1.5 * tolerance))  # 2 groups per micro-batch
+    with pytest.raises(OffPolicyError, match=r"log-probs of prompt 9 differ from θ_k's by 1\.\d+e-05 per token \(tolerance 1e-05\)"):
+        fit(module, data, iterations=2)
 
 
 class WeightsAtEpochStart(Callback):
@@ -110,10 +136,13 @@ def test_a_non_finite_value_skips_its_optimizer_step_and_counts_it():
 
 
 def test_a_non_finite_value_stops_the_run_when_so_configured():
+    recorder = WeightsAtEpochStart()
     module, data = make_components(pool=PoisonLogprobs(InProcessPool(), prompt=10), on_nonfinite="raise", **sgd(0.5))
     with pytest.raises(FloatingPointError, match=r"non-finite rollout log-probs on prompts \[10, 11\]"):
-        fit(module, data, iterations=3)
-    assert data.iterations_done == 1
+        fit(module, data, iterations=3, callbacks=[recorder])
+    assert len(recorder.states) == 2, "not stopped in iteration 1"
+    final = policy_state(module)
+    assert all(torch.equal(recorder.states[1][k], final[k]) for k in final), "a weight moved in the refused step"
 
 
 class NaNReward(CopyTask):
@@ -142,6 +171,29 @@ def test_a_non_finite_gradient_with_a_finite_loss_is_caught_at_the_step():
 
     with pytest.raises(FloatingPointError, match=r"non-finite gradient \(norm (inf|nan)\) in the step over prompts \[8, 9, 10"):
         fit(module, data, iterations=2, callbacks=[Overflow()])
+
+
+def test_a_float16_trainer_is_refused_at_fit_start():
+    from types import SimpleNamespace
+
+    module, _ = make_components(pool=InProcessPool())
+    module._trainer = SimpleNamespace(precision="16-mixed")
+    with pytest.raises(ValueError, match=r"precision='16-mixed'\) is not supported: float16 needs a loss scaler"):
+        module.on_fit_start()
+
+
+def test_a_nan_that_does_not_go_away_stops_the_run_after_max_consecutive_skips():
+    guard = NonFiniteGuard("skip", max_consecutive_skips=3)
+    for _ in range(2):
+        guard.inspect({"loss": torch.tensor(float("nan"))}, [1])
+        assert not guard.step_is_finite(torch.tensor(0.0))
+    assert guard.step_is_finite(torch.tensor(1.0)) and guard.consecutive_skips == 0  # a good step resets the count
+    for _ in range(2):
+        guard.inspect({"loss": torch.tensor(float("nan"))}, [1])
+        guard.step_is_finite(torch.tensor(0.0))
+    guard.inspect({"loss": torch.tensor(float("nan"))}, [2])
+    with pytest.raises(FloatingPointError, match=r"3 optimizer steps in a row were skipped, the last for non-finite loss on prompts \[2\]"):
+        guard.step_is_finite(torch.tensor(0.0))
 
 
 def test_the_guard_refuses_an_unknown_policy_and_keeps_its_count_in_checkpoints():

@@ -54,3 +54,17 @@ def test_the_estimate_grows_with_the_micro_batch_and_the_chunk():
     one = micro_batch_bytes(config, 8, 32, logprob_chunk_size=1)
     assert micro_batch_bytes(config, 16, 32, logprob_chunk_size=1) > 1.9 * one
     assert micro_batch_bytes(config, 8, 32, logprob_chunk_size=256) > micro_batch_bytes(config, 8, 32, logprob_chunk_size=16)
+
+
+def test_the_vllm_pool_checks_its_settings_without_starting_an_engine():
+    """Constructor-level: nothing of vLLM is imported or started (this runs in the main environment)."""
+    from lit_parl.rollout import VLLMRolloutPool
+    from lit_parl.rollout.base import BF16_LOGPROB_TOLERANCE, FP32_LOGPROB_TOLERANCE
+
+    _datamodule(VLLMRolloutPool(max_model_len=8), max_new_tokens=7)
+    with pytest.raises(ValueError, match=r"VLLMRolloutPool\(max_model_len=8\) cannot hold a prompt and sampling.max_new_tokens=8"):
+        _datamodule(VLLMRolloutPool(max_model_len=8), max_new_tokens=8)
+    with pytest.raises(ValueError, match="the pool sets the log-prob mode itself"):
+        VLLMRolloutPool(engine_kwargs={"logprobs_mode": "processed_logprobs"})
+    assert VLLMRolloutPool(dtype="float32").logprob_tolerance() == FP32_LOGPROB_TOLERANCE
+    assert VLLMRolloutPool(dtype="bfloat16").logprob_tolerance() == BF16_LOGPROB_TOLERANCE

@@ -65,10 +65,10 @@ from lit_parl.trajectory import GroupCompletions, GroupRequest, SamplingParams
 
 WeightBucket = Sequence[tuple[str, torch.Tensor]]
 
-# Mean |Δ log-prob| per token an engine may differ from a float32 trainer on the same weights (README,
-# "Failures and guarantees"). A float32 engine agrees to ~1e-7 on the tiny model, and one missed step at
-# lr 1e-5 already shows ~4e-4. bfloat16 rounding alone reaches a few 1e-2: that bound catches weights
-# that were never loaded, not one missed small step.
+# Mean |Δ log-prob| per token a group of an engine may differ from a float32 trainer on the same weights
+# (benchmarks/RESULTS.md, "A pool that keeps old weights"). A float32 engine agrees to ~1e-7 on the tiny
+# model, and one missed step at lr 1e-5 already shows ~1e-3. The bfloat16 bound is a chosen margin over
+# bf16 rounding (not measured here): it catches weights never loaded, not one missed step.
 FP32_LOGPROB_TOLERANCE = 1e-4
 BF16_LOGPROB_TOLERANCE = 0.05
 
