@@ -46,7 +46,10 @@ class PipelineTimeline(Callback):
     (:class:`~lit_parl.callbacks.IterationHistory`: ``requested_at``, ``gen_intervals``), the training side
     from the module's ``train_intervals`` (:class:`~lit_parl.callbacks.TrainIntervals`), and the sync from
     the one other callback with ``sync_intervals`` (:class:`~lit_parl.callbacks.SyncTimes`, e.g.
-    ``WeightSync``); with no such callback there is no sync row. The recorded iterations survive a checkpoint.
+    ``WeightSync``); with no such callback there is no sync row. A checkpoint keeps the last ``window``
+    iterations and the count: a run resumed into the same ``dirpath`` keeps the file's lines up to the
+    checkpoint and appends; resumed elsewhere (the CLI gives each run its own directory), its file starts
+    at the restored count and the earlier lines stay in the first run's file.
 
     Override ``plot(path)`` to draw the chart differently (``self.iterations`` holds the last ``window``).
 
