@@ -76,7 +76,7 @@ class RolloutDataModule(LightningDataModule):
         score_workers: threads of their own that score groups (for slow rewards, e.g. verifiers); 0 scores
             each group where the batcher runs: in the prefetch thread when it is on, else between steps.
         logprob_tolerance: the runtime on-policy check: the largest mean |rollout - θ_k| log-prob per token a
-            micro-batch may show before the run stops (the pool did not use the weights it reported);
+            group may show before the run stops (the pool did not use the weights it reported);
             ``"auto"``: the pool's own (``RolloutPool.logprob_tolerance``), at least the bfloat16 bound when
             the trainer runs in lower precision or on an accelerator; ``None``: no check.
     """
@@ -180,7 +180,7 @@ class RolloutDataModule(LightningDataModule):
         )
 
     def resolved_logprob_tolerance(self) -> float | None:
-        """The on-policy check's bound: the configured one, or the pool's, widened for a low-precision trainer."""
+        """The on-policy check's bound: the configured one, or the pool's, widened for a trainer in lower precision or on an accelerator."""
         if self.logprob_tolerance != "auto":
             return self.logprob_tolerance
         tolerance = self.pool.logprob_tolerance()

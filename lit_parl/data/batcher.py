@@ -41,7 +41,7 @@ class IterationBatcher:
         dynamic_sampling: drop zero-variance groups and refill their slots (DAPO).
         max_sampling_rounds: rounds of refills before zero-variance groups are kept after all.
         logprob_tolerance: stamped on every micro-batch: the mean |rollout - θ_k| log-prob per token the
-            trainer accepts (``lit_parl.guards.check_on_policy``); None: unchecked.
+            trainer accepts in a group (``lit_parl.guards.off_policy_problem``); None: unchecked.
     """
 
     shape: IterationShape

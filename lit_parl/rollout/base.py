@@ -195,8 +195,8 @@ class RolloutPool(ABC):
     def logprob_tolerance(self) -> float | None:
         """The largest mean |engine - trainer| log-prob per token this engine's numerics explain.
 
-        The trainer stops the run when a micro-batch's rollout log-probs differ more from θ_k's on the same
-        tokens (``lit_parl.guards.check_on_policy``): the engine then sampled with other weights than it
+        The trainer stops the run when a group's rollout log-probs differ more from θ_k's on the same
+        tokens (``lit_parl.guards.off_policy_problem``): the engine then sampled with other weights than it
         reported. The default, ``BF16_LOGPROB_TOLERANCE``, suits a bfloat16 engine beside a float32 trainer;
         a backend that knows its numerics are tighter returns less (``None``: never checked).
         """
