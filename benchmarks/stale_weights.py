@@ -19,22 +19,10 @@ from lightning.pytorch import Callback
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
-from conftest import WrappedPool, fit, make_components  # noqa: E402 - the tests' tiny job
+from conftest import KeepsFirstWeights, fit, make_components  # noqa: E402 - the tests' tiny job and stale pool
 
 from lit_parl.guards import logprob_mismatch, worst_group_mismatch  # noqa: E402
 from lit_parl.rollout import HFRolloutPool  # noqa: E402
-
-
-class KeepsFirstWeights(WrappedPool):
-    """Pushes the first sync's weights at every sync, under each new version."""
-
-    first = None
-
-    def _sync_weights(self, buckets, version):
-        buckets = [[(name, tensor.detach().clone()) for name, tensor in bucket] for bucket in buckets]
-        if self.first is None:
-            self.first = buckets
-        self.inner.sync_weights(self.first, version)
 
 
 class Mismatch(Callback):

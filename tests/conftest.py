@@ -206,6 +206,19 @@ class WrappedPool(RolloutPool):
         return self.inner.busy_intervals()
 
 
+class KeepsFirstWeights(WrappedPool):
+    """Pushes the first sync's weights at every sync, under each new version: the labels are all correct, the
+    weights stale (a sync that was not applied)."""
+
+    first = None
+
+    def _sync_weights(self, buckets, version):
+        buckets = [[(name, tensor.detach().clone()) for name, tensor in bucket] for bucket in buckets]
+        if self.first is None:
+            self.first = buckets
+        self.inner.sync_weights(self.first, version)
+
+
 @pytest.fixture
 def hf_pool():
     pool = HFRolloutPool(num_workers=1, threads_per_worker=1, prompts_per_request=2, colocated_threads=1)

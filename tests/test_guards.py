@@ -17,23 +17,11 @@ from lit_parl.rollout import HFRolloutPool
 from lit_parl.rollout.base import BF16_LOGPROB_TOLERANCE
 from lit_parl.tasks import CopyTask
 
-from conftest import InProcessPool, WrappedPool, fit, make_components, policy_state, sgd
+from conftest import InProcessPool, KeepsFirstWeights, WrappedPool, fit, make_components, policy_state, sgd
 
 
 def _pool() -> HFRolloutPool:
     return HFRolloutPool(num_workers=1, threads_per_worker=1, prompts_per_request=2, colocated_threads=1)
-
-
-class KeepsFirstWeights(WrappedPool):
-    """Pushes the first sync's weights at every sync, under each new version: the labels are all correct."""
-
-    first = None
-
-    def _sync_weights(self, buckets, version):
-        buckets = [[(name, tensor.detach().clone()) for name, tensor in bucket] for bucket in buckets]
-        if self.first is None:
-            self.first = buckets
-        self.inner.sync_weights(self.first, version)
 
 
 def test_a_pool_that_keeps_old_weights_under_the_new_version_stops_the_run():
