@@ -48,7 +48,7 @@ from lit_parl.callbacks import load_timeline
 ROOT = Path(__file__).resolve().parents[1]
 
 COMMON = [
-    "task=copy", "checkpoint_every=0", "trainer.max_time=null", "+trainer.enable_progress_bar=false",
+    "data=copy", "checkpoint_every=0", "trainer.max_time=null", "+trainer.enable_progress_bar=false",
     "model.hidden_size=128", "model.intermediate_size=512",
     "shape.group_size=8",
 ]

@@ -140,12 +140,12 @@ def end_to_end(out: Path, device: torch.device) -> None:
     from lit_parl import GRPOModule, GRPOObjective, IterationShape, Packing, RolloutDataModule, tiny_qwen2
     from lit_parl.callbacks import RunSummary, WeightSync
     from lit_parl.rollout import HFRolloutPool
-    from lit_parl.tasks import CopyTask
+    from lit_parl.tasks import CopyTask, positional_reward
 
     policy, tokenizer = tiny_qwen2(hidden_size=128, intermediate_size=512)
     shape, objective = IterationShape(prompts=32, group_size=8, micro_batch_size=64), GRPOObjective()
     module = GRPOModule(policy, objective, shape, tokenizer=tokenizer, attention_backend="auto")
-    data = RolloutDataModule(CopyTask(), HFRolloutPool(threads_per_worker=4), tokenizer, shape, objective, initial_model=policy,
+    data = RolloutDataModule(CopyTask(), [positional_reward], HFRolloutPool(threads_per_worker=4), tokenizer, shape, objective, initial_model=policy,
                              packing=Packing("shared_prompt"), trainer_threads=4)
     summary = RunSummary(dirpath=str(out / "fit"))
     trainer = lightning.Trainer(accelerator=device.type if device.type != "cpu" else "cpu", devices=1, max_epochs=60,

@@ -90,10 +90,9 @@ def main() -> None:
             sync_s = time.monotonic() - t0
             requests = []
             for prompt_id in range(16):
-                text, answer = task.make(prompt_id)
+                text, _ = task.make(prompt_id)
                 requests.append(GroupRequest(
-                    prompt_id=prompt_id, prompt_tokens=tuple(tokenizer(text, add_special_tokens=False).input_ids),
-                    answer_tokens=tuple(tokenizer(answer, add_special_tokens=False).input_ids), version=version,
+                    prompt_id=prompt_id, prompt_tokens=tuple(tokenizer(text, add_special_tokens=False).input_ids), version=version,
                     seeds=tuple(sample_seed(0, version, prompt_id, k) for k in range(8)),
                 ))
             t0 = time.monotonic()

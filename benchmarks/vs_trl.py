@@ -184,7 +184,7 @@ def lit_parl_side(args, workload: str, steps: int, mode: str, model_dir: Path, r
         f"algorithm.objective.beta={BETA}",
     ]
     if workload == "b":
-        cmd += ["task._target_=vs_trl_task.PreambleCopyTask", f"+task.preamble_chars={args.preamble_chars}"]
+        cmd += ["data._target_=vs_trl_task.PreambleCopyTask", f"+data.preamble_chars={args.preamble_chars}"]
     cmd += args.lit_overrides.split()
     proc_s = run_logged(cmd, run_dir.with_suffix(".log"), args.omp_wait_policy)
     summary = json.loads((run_dir / "summary.json").read_text())

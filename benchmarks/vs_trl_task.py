@@ -5,7 +5,7 @@ characters (one token each with the character tokenizer) put before every prompt
 reward are unchanged. Both sides import this one class (``PYTHONPATH=benchmarks``), so the prompts,
 answers and reward are the same on both:
 
-- lit_parl: ``lit-parl task._target_=vs_trl_task.PreambleCopyTask``. Hydra instantiates the class, and the
+- lit_parl: ``lit-parl data._target_=vs_trl_task.PreambleCopyTask``. Hydra instantiates the class, and the
   rollout workers unpickle it by reference.
 - TRL: ``benchmarks/trl_side.py --task preamble``.
 

@@ -13,6 +13,8 @@ import importlib
 # Imported on first use, so that ``import lit_parl.callbacks`` (usable in any Lightning project) does not
 # load the data path, the module and transformers' model classes.
 _EXPORTS = {
+    "DatasetPrompts": "lit_parl.prompt_files",
+    "EvalSettings": "lit_parl.data.evaluation",
     "GRPOModule": "lit_parl.module",
     "GRPOObjective": "lit_parl.objectives",
     "Group": "lit_parl.trajectory",
@@ -22,8 +24,12 @@ _EXPORTS = {
     "MicroBatch": "lit_parl.trajectory",
     "OffPolicyError": "lit_parl.data.gate",
     "Packing": "lit_parl.trajectory",
+    "PromptFormat": "lit_parl.chat",
+    "PromptRow": "lit_parl.prompts",
+    "Reward": "lit_parl.rewards.reward",
     "RolloutDataModule": "lit_parl.datamodule",
     "SamplingParams": "lit_parl.trajectory",
+    "ScoringPolicy": "lit_parl.rewards.policy",
     "Trajectory": "lit_parl.trajectory",
     "WarmupSchedule": "lit_parl.lr_schedule",
     "pretrained": "lit_parl.model",

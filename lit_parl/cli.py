@@ -86,8 +86,9 @@ def build(cfg: DictConfig) -> tuple[GRPOModule, RolloutDataModule, lightning.Tra
         policy=policy, objective=objective, shape=shape, tokenizer=tokenizer,
         optimizer=instantiate(cfg.optimizer), lr_schedule=instantiate(cfg.lr_schedule),
     )
+    rewards = [instantiate(node, name=node.get("name") or name) for name, node in cfg.reward.items() if node is not None]
     datamodule = _with_key("datamodule", instantiate(cfg.datamodule, _partial_=True))(
-        task=instantiate(cfg.task), pool=instantiate(cfg.pool), tokenizer=tokenizer, shape=shape,
+        data=instantiate(cfg.data), rewards=rewards, pool=instantiate(cfg.pool), tokenizer=tokenizer, shape=shape,
         objective=objective, initial_model=policy, sampling=sampling,
     )
     callbacks = [

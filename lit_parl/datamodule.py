@@ -5,16 +5,19 @@
 colocated baseline). The datamodule wires the data path's parts and owns the pool's lifecycle (started
 in ``setup``, closed in ``teardown`` or when the fit fails); each part has one job:
 
-- ``PromptSchedule``: which prompts, their tokens and seeds; the cursor a resume needs;
+- ``PromptSchedule``: which prompts (rows of ``data``, rendered by ``prompt_format``), their tokens and seeds;
+  the cursor a resume needs;
 - ``VersionGate``: the version that may generate now, opened by ``WeightSync`` through ``open_iteration``;
 - ``GroupScorer``: rewards (inline, or on threads of its own); ``GroupAcceptor``: checks and advantages;
-- ``IterationBatcher``: micro-batches, each marked where an optimizer step falls.
+- ``IterationBatcher``: micro-batches, each marked where an optimizer step falls;
+- ``Evaluator``: held-out prompts through the pool after chosen iterations (Lightning's validation loop).
 
 In use: the README's "Components without the CLI" script (run as a script by ``tests/test_readme.py``).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections import deque
 
@@ -25,7 +28,9 @@ from torch.utils.data import DataLoader, IterableDataset
 from transformers import AutoConfig, PreTrainedModel, PreTrainedTokenizerBase
 
 from lit_parl.data.acceptor import Advantages, GroupAcceptor
+from lit_parl.chat import PromptFormat
 from lit_parl.data.batcher import IterationBatcher
+from lit_parl.data.evaluation import EvalSettings, Evaluator
 from lit_parl.data.gate import OffPolicyError, VersionGate
 from lit_parl.data.model_dir import InitialModelDir
 from lit_parl.data.prefetch import prefetched
@@ -33,12 +38,19 @@ from lit_parl.data.schedule import PromptSchedule
 from lit_parl.data.scoring import GroupScorer
 from lit_parl.data.shape import IterationShape
 from lit_parl.data.stats import IterationStats
-from lit_parl.limits import check_context
+from lit_parl.limits import check_context, context_length
+from lit_parl.prompts import PromptSource
+from lit_parl.rewards.policy import ScoringPolicy
 from lit_parl.rollout.base import BF16_LOGPROB_TOLERANCE, PoolSpec, RolloutPool
 from lit_parl.trajectory import MicroBatch, Packing, SamplingParams
 
 MODES = ("async", "sync")
 HISTORY_KEPT = 64  # iterations whose IterationStats stay in `history` (callbacks read the last one)
+
+
+def _as(kind, value):
+    """A settings object from itself, a dict of its fields (Hydra, JSON) or None (the defaults)."""
+    return value if isinstance(value, kind) else kind(**(value or {}))
 
 
 class _IterationStream(IterableDataset):
@@ -54,11 +66,24 @@ class _IterationStream(IterableDataset):
         return self.datamodule._stream_iteration()
 
 
+class _EvalStream(IterableDataset):
+    """One evaluation's metrics when the iteration just trained is due for one; nothing otherwise."""
+
+    def __init__(self, datamodule: "RolloutDataModule") -> None:
+        self.datamodule = datamodule
+
+    def __iter__(self):
+        metrics = self.datamodule._evaluate()
+        if metrics:
+            yield metrics
+
+
 class RolloutDataModule(LightningDataModule):
     """Streams each iteration's micro-batches from ``pool``, strictly on-policy.
 
     Args:
-        task: the prompts (``make(i) -> (prompt, answer)``) and the reward (``reward(...)``).
+        data: the training prompts, a ``lit_parl.prompts.PromptSource`` (a dataset file, or a task).
+        rewards: the reward functions (``lit_parl.rewards.Reward`` or plain functions: the README's "Rewards").
         pool: a ``lit_parl.rollout.RolloutPool``; started in ``setup`` if not started, closed at the end.
         tokenizer: encodes prompts and answers; its end and padding tokens are the pool's.
         shape: the iteration's shape (the module gets the same object).
@@ -75,6 +100,12 @@ class RolloutDataModule(LightningDataModule):
         trainer_threads: torch threads of the trainer's process; ``None``: the cores the pool leaves.
         score_workers: threads of their own that score groups (for slow rewards, e.g. verifiers); 0 scores
             each group where the batcher runs: in the prefetch thread when it is on, else between steps.
+        prompt_format: raw text or the chat template, and the prompt length policy (``PromptFormat`` or its fields).
+        scoring: each reward call's timeout and error policy (``ScoringPolicy`` or its fields).
+        evaluation: when and how much to evaluate on held-out prompts (``EvalSettings`` or its fields; they
+            come from ``eval_data``, else from ``data.evaluation()``).
+        eval_data: the held-out prompts (``None``: ``data.evaluation()``).
+        correct_reward: a sample counts as correct (accuracy, mean@k, pass@k) when its total reward reaches this.
         logprob_tolerance: the runtime on-policy check: the largest mean |rollout - θ_k| log-prob per token a
             group may show before the run stops (the pool did not use the weights it reported);
             ``"auto"``: the pool's own (``RolloutPool.logprob_tolerance``), at least the bfloat16 bound when
@@ -83,7 +114,8 @@ class RolloutDataModule(LightningDataModule):
 
     def __init__(
         self,
-        task,
+        data: PromptSource,
+        rewards,
         pool: RolloutPool,
         tokenizer: PreTrainedTokenizerBase,
         shape: IterationShape,
@@ -99,30 +131,51 @@ class RolloutDataModule(LightningDataModule):
         trainer_threads: int | None = None,
         score_workers: int = 0,
         logprob_tolerance: float | str | None = "auto",
+        prompt_format: PromptFormat | dict | None = None,
+        scoring: ScoringPolicy | dict | None = None,
+        evaluation: EvalSettings | dict | None = None,
+        eval_data: PromptSource | None = None,
+        correct_reward: float = 1.0,
     ) -> None:
         super().__init__()
         if mode not in MODES:
             raise ValueError(f"RolloutDataModule(mode={mode!r}); choose one of {MODES}")
         if not isinstance(pool, RolloutPool):
             raise TypeError(f"RolloutDataModule(pool={type(pool).__name__}): a pool subclasses lit_parl.rollout.RolloutPool")
-        self.task, self.pool, self.tokenizer, self.shape, self.mode = task, pool, tokenizer, shape, mode
+        self.data, self.pool, self.tokenizer, self.shape, self.mode = data, pool, tokenizer, shape, mode
         self.objective = objective
-        self.sampling = sampling if isinstance(sampling, SamplingParams) else SamplingParams(**(sampling or {}))
-        self.packing = packing if isinstance(packing, Packing) else Packing(**(packing or {}))
+        self.sampling = _as(SamplingParams, sampling)
+        if self.sampling.greedy:
+            raise ValueError("sampling.temperature=0 (greedy) cannot train: GRPO needs a distribution to sample and differentiate; greedy is for evaluation")
+        self.packing = _as(Packing, packing)
+        self.prompt_format = _as(PromptFormat, prompt_format)
+        self.correct_reward = correct_reward
         self.max_sampling_rounds, self.prefetch, self.trainer_threads = max_sampling_rounds, prefetch, trainer_threads
         if not (logprob_tolerance is None or logprob_tolerance == "auto" or (isinstance(logprob_tolerance, (int, float)) and logprob_tolerance > 0)):
             raise ValueError(f"RolloutDataModule(logprob_tolerance={logprob_tolerance!r}): give a number > 0, 'auto' (the pool's) or None (no check)")
         self.logprob_tolerance = logprob_tolerance
-        self.schedule = PromptSchedule(task, tokenizer, shape.group_size, seed)
+        config = initial_model.config if isinstance(initial_model, PreTrainedModel) else AutoConfig.from_pretrained(initial_model)
+        check_context(config, self.sampling.max_new_tokens)  # limits known now fail now, before any engine starts
+        token_limit = self.prompt_format.token_limit(context_length(config), self.sampling.max_new_tokens)
+        self.schedule = PromptSchedule(data, tokenizer, shape.group_size, seed, self.prompt_format, token_limit)
         self.gate = VersionGate(gate_timeout_s)
-        self.scorer = GroupScorer(task, tokenizer.eos_token_id, score_workers)
+        self.scorer = GroupScorer(rewards, tokenizer, score_workers, _as(ScoringPolicy, scoring))
+        self.evaluation = _as(EvalSettings, evaluation)
+        self.evaluator: Evaluator | None = None
+        if self.evaluation.enabled:
+            held_out = eval_data if eval_data is not None else getattr(data, "evaluation", lambda: None)()
+            if held_out is None:
+                raise ValueError(
+                    f"evaluation.every_n_iterations={self.evaluation.every_n_iterations} but there are no held-out prompts: "
+                    "give eval_data, or a data source with an eval split (e.g. DatasetPrompts(eval_split=... or eval_rows=...))"
+                )
+            eval_schedule = PromptSchedule(held_out, tokenizer, 1, f"{seed}/eval", self.prompt_format, token_limit)
+            self.evaluator = Evaluator(self.evaluation, eval_schedule, self.scorer, correct_reward, shape.prompts * shape.group_size)
+            self.val_dataloader = self._eval_dataloader  # Lightning runs its validation loop only when this exists
         self.iterations_done = 0
         self.history: deque[IterationStats] = deque(maxlen=HISTORY_KEPT)  # the last few: a long run holds the same
         self._use_prefetch = bool(prefetch)
         self._model_dir = InitialModelDir(initial_model, tokenizer)  # what the pool's engines start from
-        # limits known now fail now, before any engine process starts
-        config = initial_model.config if isinstance(initial_model, PreTrainedModel) else AutoConfig.from_pretrained(initial_model)
-        check_context(config, self.sampling.max_new_tokens)
         pool.check_capacity(shape, self.sampling)
 
     # -- Lightning hooks -------------------------------------------------------------------------------
@@ -136,6 +189,9 @@ class RolloutDataModule(LightningDataModule):
             torch.set_num_threads(self.trainer_threads)
         elif on_cpu and not colocated:  # the pool's workers run beside the trainer on the same cores
             torch.set_num_threads(max(1, torch.get_num_threads() - self.pool.reserved_cpus(colocated)))
+        if self.schedule.dropped_rows and self.trainer is not None:  # counted once: the data is prepared once
+            for logger in self.trainer.loggers:
+                logger.log_metrics({"data/dropped_prompts": float(len(self.schedule.dropped_rows))}, step=0)
         if not self.pool.health().started:
             eos, pad = self.tokenizer.eos_token_id, self.tokenizer.pad_token_id
             self.pool.start(PoolSpec(self._model_dir.path(), eos, pad, colocated))
@@ -151,10 +207,17 @@ class RolloutDataModule(LightningDataModule):
         # nested layout (measured at ~5 ms per step on the default job, about a fifth of a step).
         if isinstance(batch, MicroBatch) and batch.advantages.device == device:
             return batch
+        if isinstance(batch, MicroBatch):  # the trajectories are for logs, on the CPU: keep them out of the walk
+            moved = super().transfer_batch_to_device(dataclasses.replace(batch, trajectories=[]), device, dataloader_idx)
+            moved.trajectories = batch.trajectories
+            return moved
         return super().transfer_batch_to_device(batch, device, dataloader_idx)
 
     def train_dataloader(self) -> DataLoader:
         return DataLoader(_IterationStream(self), batch_size=None, num_workers=0, collate_fn=lambda batch: batch)
+
+    def _eval_dataloader(self) -> DataLoader:
+        return DataLoader(_EvalStream(self), batch_size=None, num_workers=0, collate_fn=lambda batch: batch)
 
     def state_dict(self) -> dict:
         return {**self.schedule.state_dict(), **self.gate.state_dict(), "iterations_done": self.iterations_done}
@@ -171,7 +234,8 @@ class RolloutDataModule(LightningDataModule):
 
     # -- one iteration ---------------------------------------------------------------------------------
     def batcher(self) -> IterationBatcher:
-        acceptor = GroupAcceptor(self.objective, self.shape.group_size, self.sampling.max_new_tokens, getattr(self.task, "is_correct", None))
+        correct = self.correct_reward
+        acceptor = GroupAcceptor(self.objective, self.shape.group_size, self.sampling.max_new_tokens, lambda reward: reward >= correct)
         return IterationBatcher(
             self.shape, self.schedule, self.pool, self.scorer, acceptor, self.sampling, self.packing, self.tokenizer.pad_token_id,
             materialize=self.mode == "sync", dynamic_sampling=bool(getattr(self.objective, "dynamic_sampling", False)),
@@ -217,6 +281,24 @@ class RolloutDataModule(LightningDataModule):
         finally:
             batches.close()  # also stops the prefetch thread when the fit fails mid-iteration
         raise RuntimeError(f"iteration {self.iterations_done} produced {count} of its {total} micro-batches")
+
+    def _evaluate(self) -> dict[str, float]:
+        """The held-out metrics when the iteration just trained is due (Lightning validates after each epoch)."""
+        trainer = self.trainer
+        if self.evaluator is None or trainer is None or trainer.sanity_checking or not self.history:
+            return {}  # before the first iteration the pool holds no policy yet
+        iteration = trainer.current_epoch
+        if self.iterations_done != iteration + 1:
+            return {}  # Lightning validates mid-epoch when a fit is stopped (max_time): this iteration is unfinished
+        last = trainer.max_epochs - 1 if trainer.max_epochs is not None and trainer.max_epochs > 0 else None
+        if trainer.should_stop:  # stopped early (max_time, max_steps, a callback): this is the last iteration
+            last = iteration
+        if not self.evaluation.due(iteration, last):
+            return {}
+        version = self.history[-1].version
+        if self.pool.version != version:  # the weights of the iteration just trained, synced at its start
+            raise OffPolicyError(f"evaluation after iteration {iteration} expects the pool to hold version {version}, it holds {self.pool.version}")
+        return self.evaluator.run(self.pool, version, self.sampling)
 
     def _finish_iteration(self, stats: IterationStats) -> None:
         stats.completed_at = time.monotonic()

@@ -31,6 +31,7 @@ from __future__ import annotations
 import copy
 import functools
 import time
+import warnings
 from collections.abc import Callable, Iterable
 
 import torch
@@ -100,6 +101,8 @@ class GRPOModule(LightningModule):
     ) -> None:
         super().__init__()
         check_supported(policy)
+        if not temperature > 0:
+            raise ValueError(f"GRPOModule(temperature={temperature}): training log-probs are taken at logits / T, T > 0 (greedy is for evaluation)")
         if memory_budget_gib is not None:
             sample_tokens = max_sample_tokens or context_length(policy.config)
             if sample_tokens is None:
@@ -111,6 +114,9 @@ class GRPOModule(LightningModule):
                 f"{shape.micro_batch_size}) a multiple of group_size={shape.group_size}"
             )
         self.automatic_optimization = False
+        # validation_step logs a held-out evaluation when the datamodule has one (it then has a val_dataloader);
+        # without one Lightning skips validation, as intended, and says so on every fit
+        warnings.filterwarnings("ignore", message=r"You defined a `validation_step` but have no `val_dataloader`")
         self.policy = policy
         self.objective = objective
         self.shape = shape
@@ -133,6 +139,10 @@ class GRPOModule(LightningModule):
                 "clip_fraction", "kl_ref", "entropy", "approx_kl", "grad_norm")
         self.metrics = torch.nn.ModuleDict({name: MeanMetric() for name in mean})
         self.metrics["length_max"] = MaxMetric()
+        # each reward's values (reward/<name>) and failed calls (reward/<name>/failures): plain sums, since the
+        # names come from the data and a step must not wait on the device for them
+        self._reward_sums: dict[str, list[float]] = {}
+        self._reward_failures: dict[str, int] = {}
 
     # -- Lightning hooks -------------------------------------------------------------------------------
     def configure_optimizers(self):
@@ -169,8 +179,19 @@ class GRPOModule(LightningModule):
         for name, value in values.items():
             self.log(names.get(name, name), value, prog_bar=name == "reward")
         self.log("nonfinite/skipped_steps", float(self.guard.skipped_steps))
+        for name, (total, count) in self._reward_sums.items():  # every rank logs the same names: they come from the rewards
+            self.log(f"reward/{name}", total / max(count, 1), sync_dist=True)
+        for name, failures in self._reward_failures.items():  # only where a call failed: a rank without one logs nothing
+            self.log(f"reward/{name}/failures", float(failures))
+        self._reward_sums, self._reward_failures = {}, {}
         for metric in self.metrics.values():
             metric.reset()
+
+    def validation_step(self, metrics: dict[str, float], batch_idx: int) -> None:
+        """Logs what the held-out evaluation measured (``lit_parl.data.evaluation``: the datamodule generates
+        and scores it through the pool, with the weights of the iteration just trained)."""
+        for name, value in metrics.items():
+            self.log(name, value, prog_bar=name in ("val/greedy_accuracy", "val/pass@1") or name.startswith("val/mean@"), batch_size=1)
 
     # -- the algorithm ---------------------------------------------------------------------------------
     def completion_logprobs(self, model: PreTrainedModel, batch: MicroBatch, with_entropy: bool = False):
@@ -242,6 +263,12 @@ class GRPOModule(LightningModule):
             m["length_max"].update(lengths)
             m["truncated"].update(batch.truncated.float())
             m["zero_variance"].update(batch.zero_variance.float())
+            for name, (total, count) in batch.reward_components.items():
+                sums = self._reward_sums.setdefault(name, [0.0, 0])
+                sums[0] += total
+                sums[1] += count
+            for name, failures in batch.reward_failures.items():
+                self._reward_failures[name] = self._reward_failures.get(name, 0) + failures
             # the rollout engine's log-probs against θ_k's, on the same tokens
             abs_sum, kl_sum, _ = logprob_mismatch(batch.rollout_logprobs, old_logp, mask)
             m["mismatch_abs"].update(abs_sum / tokens, weight=tokens)

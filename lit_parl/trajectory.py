@@ -16,21 +16,44 @@ from lit_parl.kernels.packing import PackedTokens, pack
 
 @dataclass(frozen=True)
 class SamplingParams:
+    """How every sample of a request is drawn.
+
+    Args:
+        max_new_tokens: the length limit; a sample cut there finishes with ``"length"``.
+        temperature: logits are divided by it; log-probs are those of the full softmax at it. 0: greedy
+            (the argmax token), for evaluation only: training needs a distribution to differentiate.
+        top_p, top_k: filters on what is drawn (0 / 1.0: off); log-probs stay the full softmax.
+        stop_token_ids: tokens that end a sample besides the end token (kept in the completion).
+        stop: strings that end a sample once the decoded completion contains one; the completion keeps
+            the tokens up to and including the one that completed the string, and finishes with ``"stop"``.
+    """
+
     max_new_tokens: int = 6
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
     stop_token_ids: tuple[int, ...] = ()
+    stop: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
+        # Hydra and JSON give lists; the parameters are hashable and frozen
+        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        object.__setattr__(self, "stop", (self.stop,) if isinstance(self.stop, str) else tuple(self.stop))
         if self.max_new_tokens < 1:
             raise ValueError(f"sampling.max_new_tokens must be >= 1, got {self.max_new_tokens}")
-        if not self.temperature > 0:
-            raise ValueError(f"sampling.temperature must be > 0 (log-probs are computed at logits / T), got {self.temperature}")
+        if not self.temperature >= 0:
+            raise ValueError(f"sampling.temperature must be > 0 (log-probs are computed at logits / T), or 0 for greedy evaluation; got {self.temperature}")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"sampling.top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < 0:  # vLLM and SGLang read -1 as "off", the hf sampler any value < 1: one spelling here
             raise ValueError(f"sampling.top_k must be >= 0 (0: no top-k filter), got {self.top_k}")
+        if any(not isinstance(s, str) or not s for s in self.stop):
+            raise ValueError(f"sampling.stop must be non-empty strings, got {self.stop!r}")
+
+    @property
+    def greedy(self) -> bool:
+        """Temperature 0: every backend takes the argmax token (evaluation)."""
+        return self.temperature == 0
 
 
 def sample_seed(base_seed: int, version: int, prompt_id: int, sample_index: int) -> int:
@@ -45,7 +68,6 @@ class GroupRequest:
 
     prompt_id: int  # the prompt's global draw index
     prompt_tokens: tuple[int, ...]
-    answer_tokens: tuple[int, ...]
     version: int
     seeds: tuple[int, ...]
 
@@ -71,8 +93,11 @@ class GroupCompletions:
     logprobs: list[list[float]]
     finish_reasons: list[str]
 
-    def scored(self, rewards: list[float]) -> "Group":
-        return Group(self.prompt_id, self.version, self.sample_indices, self.completions, self.logprobs, list(rewards), self.finish_reasons)
+    def scored(self, rewards: list[float], components: dict[str, list[float | None]] | None = None, failures: dict[str, list[int]] | None = None) -> "Group":
+        return Group(
+            self.prompt_id, self.version, self.sample_indices, self.completions, self.logprobs, list(rewards), self.finish_reasons,
+            dict(components or {}), dict(failures or {}),
+        )
 
 
 @dataclass
@@ -84,8 +109,10 @@ class Group:
     sample_indices: list[int]
     completions: list[list[int]]
     logprobs: list[list[float]]
-    rewards: list[float]
+    rewards: list[float]  # each sample's total: the weighted sum of its rewards
     finish_reasons: list[str]  # "stop" (end/stop token) or "length" (cut at max_new_tokens)
+    reward_components: dict[str, list[float | None]] = field(default_factory=dict)  # metric -> per sample (None: the call failed)
+    reward_failures: dict[str, list[int]] = field(default_factory=dict)  # reward -> samples (positions) whose call failed
 
 
 @dataclass
@@ -102,6 +129,8 @@ class Trajectory:
     shaped_reward: float | None = None  # the reward after the objective's shaping (None: same as reward)
     correct: bool = False  # the task's notion of a correct answer (accuracy)
     zero_variance: bool = False  # its group's (shaped) rewards were all equal
+    reward_components: dict[str, float] = field(default_factory=dict)  # each reward's value (failed calls left out)
+    reward_failures: tuple[str, ...] = ()  # rewards whose call failed on this sample (scored by the policy)
 
 
 @dataclass
@@ -128,6 +157,9 @@ class MicroBatch:
     group_size: int = 0
     pass_index: int = 0  # which pass over the iteration's samples (several with IterationShape.passes > 1)
     logprob_tolerance: float | None = None  # largest mean |rollout - θ_k| log-prob per token accepted (None: unchecked)
+    reward_components: dict[str, tuple[float, int]] = field(default_factory=dict)  # metric -> (sum, samples) over this micro-batch
+    reward_failures: dict[str, int] = field(default_factory=dict)  # reward -> failed calls in this micro-batch
+    trajectories: list[Trajectory] = field(default_factory=list)  # the records it was built from, in row order (for logs)
 
     @property
     def size(self) -> int:
@@ -207,6 +239,14 @@ def collate(
     else:
         for i, t in enumerate(ordered):
             rollout_logprobs[i, : len(t.rollout_logprobs)] = torch.tensor(t.rollout_logprobs)
+    components: dict[str, tuple[float, int]] = {}
+    failures: dict[str, int] = {}
+    for t in ordered:
+        for name, value in t.reward_components.items():
+            total, count = components.get(name, (0.0, 0))
+            components[name] = (total + value, count + 1)
+        for name in t.reward_failures:
+            failures[name] = failures.get(name, 0) + 1
     return MicroBatch(
         tokens=tokens,
         rollout_logprobs=rollout_logprobs,
@@ -221,4 +261,7 @@ def collate(
         version=versions.pop(),
         sample_offset=sample_offset,
         group_size=group_size,
+        reward_components=components,
+        reward_failures=failures,
+        trajectories=ordered,
     )

@@ -16,6 +16,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 from lit_parl import GRPOModule, GRPOObjective, IterationShape, RolloutDataModule, tiny_qwen2
 from lit_parl.callbacks import WeightSync
 from lit_parl.rollout import HFRolloutPool, PoolSpec, RolloutPool
+from lit_parl.rewards import Reward
 from lit_parl.tasks import CopyTask
 from lit_parl.trajectory import GroupCompletions, GroupRequest, SamplingParams
 
@@ -29,12 +30,14 @@ def make_components(
     group_size: int = 4,
     micro_batch_size: int = 8,
     task=None,
+    rewards=None,
     objective: GRPOObjective | None = None,
     trainer_threads: int | None = 1,
     seed: int = 0,
     mini_batches: int = 1,
     passes: int = 1,
     lr: float | None = None,
+    datamodule_kwargs: dict | None = None,
     **module_kwargs,
 ) -> tuple[GRPOModule, RolloutDataModule]:
     policy, tokenizer = tiny_qwen2(seed=seed)
@@ -43,18 +46,16 @@ def make_components(
     if lr is not None:
         module_kwargs["optimizer"] = functools.partial(torch.optim.AdamW, lr=lr, weight_decay=0.0)
     module = GRPOModule(policy, objective, shape, tokenizer=tokenizer, temperature=SAMPLING.temperature, **module_kwargs)
+    task = task or CopyTask(seed=seed)
     datamodule = RolloutDataModule(
-        task or CopyTask(seed=seed),
+        task,
+        rewards or [Reward(task.reward, name="positional")],
         pool or HFRolloutPool(num_workers=1, threads_per_worker=1, prompts_per_request=2, colocated_threads=1),
         tokenizer,
         shape,
         objective,
         initial_model=policy,
-        mode=mode,
-        sampling=SAMPLING,
-        seed=seed,
-        trainer_threads=trainer_threads,
-        gate_timeout_s=60,
+        **{"mode": mode, "sampling": SAMPLING, "seed": seed, "trainer_threads": trainer_threads, "gate_timeout_s": 60, **(datamodule_kwargs or {})},
     )
     return module, datamodule
 
@@ -134,16 +135,20 @@ class InProcessPool(RolloutPool):
 
     @torch.no_grad()
     def _generate(self, requests: list[GroupRequest], sampling: SamplingParams) -> Iterator[GroupCompletions]:
-        if sampling.top_k or sampling.top_p < 1:
-            raise NotImplementedError("InProcessPool samples from the full softmax only (top_k=0, top_p=1)")
+        if sampling.top_k or sampling.top_p < 1 or sampling.stop:
+            raise NotImplementedError("InProcessPool samples from the full softmax only (top_k=0, top_p=1, no stop strings)")
+        temperature = sampling.temperature or 1.0  # greedy: the argmax, log-probs of the plain softmax
         stops = (self.eos_id, *sampling.stop_token_ids)
         for request in requests:  # the group's samples side by side; each row draws from its own seed
             generators = [torch.Generator().manual_seed(seed) for seed in request.seeds]
             tokens = torch.tensor([request.prompt_tokens] * request.group_size)
             steps = []
             for _ in range(sampling.max_new_tokens):
-                logp = (self.model(input_ids=tokens).logits[:, -1].float() / sampling.temperature).log_softmax(-1)
-                drawn = torch.cat([torch.multinomial(row.exp(), 1, generator=g) for row, g in zip(logp, generators)])
+                logp = (self.model(input_ids=tokens).logits[:, -1].float() / temperature).log_softmax(-1)
+                if sampling.greedy:
+                    drawn = logp.argmax(-1)
+                else:
+                    drawn = torch.cat([torch.multinomial(row.exp(), 1, generator=g) for row, g in zip(logp, generators)])
                 steps.append((drawn.tolist(), logp.gather(-1, drawn[:, None])[:, 0].tolist()))
                 tokens = torch.cat([tokens, drawn[:, None]], dim=1)
             completions, logprobs, reasons = [], [], []

@@ -97,7 +97,8 @@ def components(objective: GRPOObjective, pool: ScriptedPool, micro_batch_size: i
     policy, tokenizer = tiny_qwen2(seed=0)
     shape = IterationShape(PROMPTS, G, micro_batch_size, mini_batches, passes)
     module = GRPOModule(policy, objective, shape, tokenizer=tokenizer, **module_kwargs)
-    data = RolloutDataModule(task or ScriptedTask(), pool, tokenizer, shape, objective, initial_model=policy,
+    task = task or ScriptedTask()
+    data = RolloutDataModule(task, [task.reward], pool, tokenizer, shape, objective, initial_model=policy,
                              sampling=SamplingParams(max_new_tokens=MAX_NEW), packing=Packing(packing), trainer_threads=1)
     return module, data
 
@@ -126,9 +127,10 @@ def reference_update(initial, pool: ScriptedPool, data: RolloutDataModule, objec
     mode = objective.get("loss_aggregation", "seq-mean-token-mean")
     samples = []  # (slot, prompt ids, completion, advantage)
     for slot in range(PROMPTS):
-        request = data.schedule.requests([slot], 0)[slot]
+        drawn = data.schedule.draw([slot], 0)[slot]
+        request = drawn.request
         group = pool.rollout(slot, 0)
-        r = torch.tensor([data.task.reward(request.answer_tokens, c, pool.eos_id) for c in group.completions], dtype=torch.float64)
+        r = torch.tensor([data.data.reward(list(drawn.answer_ids), c, pool.eos_id) for c in group.completions], dtype=torch.float64)
         adv = torch.zeros(G, dtype=torch.float64) if bool((r == r[0]).all()) else (r - r.mean()) / (r.std() + 1e-6)
         for k in range(G):
             samples.append((slot, list(request.prompt_tokens), group.completions[k], float(adv[k])))

@@ -233,7 +233,7 @@ PROMPTS = ["5=", "3917=", "12=", "804213=", "77="]  # different lengths: left pa
 )
 def test_sample_groups_logprobs_match_full_forward(model, tok, sampling):
     requests = [
-        GroupRequest(prompt_id=i, prompt_tokens=_ids(tok, p), answer_tokens=(), version=0, seeds=_seeds(i, 3))
+        GroupRequest(prompt_id=i, prompt_tokens=_ids(tok, p), version=0, seeds=_seeds(i, 3))
         for i, p in enumerate(PROMPTS)
     ]
     groups = _sample(model, tok, requests, sampling)
@@ -252,14 +252,14 @@ def test_sample_groups_logprobs_match_full_forward(model, tok, sampling):
 
 def test_sample_groups_independent_of_batch_composition(model, tok):
     sampling = SamplingParams(max_new_tokens=6, temperature=1.0)
-    target = GroupRequest(prompt_id=0, prompt_tokens=_ids(tok, "3917="), answer_tokens=(), version=0, seeds=_seeds(0, 4))
+    target = GroupRequest(prompt_id=0, prompt_tokens=_ids(tok, "3917="), version=0, seeds=_seeds(0, 4))
     alone = _sample(model, tok, [target], sampling)[0]
 
     others = [
-        GroupRequest(prompt_id=1, prompt_tokens=_ids(tok, "804213="), answer_tokens=(), version=0, seeds=_seeds(1, 4)),
-        GroupRequest(prompt_id=2, prompt_tokens=_ids(tok, "5="), answer_tokens=(), version=0, seeds=_seeds(2, 4)),
+        GroupRequest(prompt_id=1, prompt_tokens=_ids(tok, "804213="), version=0, seeds=_seeds(1, 4)),
+        GroupRequest(prompt_id=2, prompt_tokens=_ids(tok, "5="), version=0, seeds=_seeds(2, 4)),
         # the same prompt and seeds under another id: must give the very same completions
-        GroupRequest(prompt_id=3, prompt_tokens=target.prompt_tokens, answer_tokens=(), version=0, seeds=target.seeds),
+        GroupRequest(prompt_id=3, prompt_tokens=target.prompt_tokens, version=0, seeds=target.seeds),
     ]
     batched = _sample(model, tok, [others[0], target, others[1], others[2]], sampling)
     reordered = _sample(model, tok, [others[2], others[1], target], sampling)
@@ -270,14 +270,14 @@ def test_sample_groups_independent_of_batch_composition(model, tok):
             torch.testing.assert_close(torch.tensor(a), torch.tensor(b), atol=1e-5, rtol=0)
 
     # other seeds give other completions (for at least some samples)
-    reseeded = GroupRequest(prompt_id=0, prompt_tokens=target.prompt_tokens, answer_tokens=(), version=0, seeds=_seeds(0, 4, base=1))
+    reseeded = GroupRequest(prompt_id=0, prompt_tokens=target.prompt_tokens, version=0, seeds=_seeds(0, 4, base=1))
     different = _sample(model, tok, [reseeded], sampling)[0]
     assert sum(a != b for a, b in zip(different.completions, alone.completions)) >= 1
 
 
 def test_sample_groups_samples_of_a_group_differ(model, tok):
     group_size = 8
-    request = GroupRequest(prompt_id=0, prompt_tokens=_ids(tok, "3917="), answer_tokens=(), version=0, seeds=_seeds(0, group_size))
+    request = GroupRequest(prompt_id=0, prompt_tokens=_ids(tok, "3917="), version=0, seeds=_seeds(0, group_size))
     group = _sample(model, tok, [request], SamplingParams(max_new_tokens=6, temperature=1.0))[0]
     distinct = {tuple(c) for c in group.completions}
     # a near-uniform random model over 53 tokens: collisions of 6-token strings are very unlikely
@@ -292,7 +292,7 @@ def test_sample_groups_stopping(model, tok, extra_stops):
     max_new = 6
     sampling = SamplingParams(max_new_tokens=max_new, temperature=1.0, stop_token_ids=stop_ids)
     requests = [
-        GroupRequest(prompt_id=i, prompt_tokens=_ids(tok, p), answer_tokens=(), version=0, seeds=_seeds(i, 16))
+        GroupRequest(prompt_id=i, prompt_tokens=_ids(tok, p), version=0, seeds=_seeds(i, 16))
         for i, p in enumerate(["5=", "3917=", "12=", "804213="] * 4)
     ]
     groups = _sample(model, tok, requests, sampling)
@@ -314,7 +314,7 @@ def test_sample_groups_stopping(model, tok, extra_stops):
 def _empirical(model, tok, prompt, sampling, n, requests=10):
     per = n // requests
     reqs = [
-        GroupRequest(prompt_id=i, prompt_tokens=prompt, answer_tokens=(), version=0, seeds=_seeds(i, per, base=99))
+        GroupRequest(prompt_id=i, prompt_tokens=prompt, version=0, seeds=_seeds(i, per, base=99))
         for i in range(requests)
     ]
     counts = torch.zeros(len(tok), dtype=torch.float64)
@@ -413,9 +413,10 @@ def test_filter_logits_matches_naive(top_k, top_p):
 
 
 def test_sampling_params_validation():
-    for kwargs in ({"max_new_tokens": 0}, {"temperature": 0.0}, {"temperature": -1.0}, {"top_p": 0.0}, {"top_p": 1.5}):
+    for kwargs in ({"max_new_tokens": 0}, {"temperature": -1.0}, {"top_p": 0.0}, {"top_p": 1.5}, {"stop": [""]}, {"top_k": -1}):
         with pytest.raises(ValueError):
             SamplingParams(**kwargs)
+    assert SamplingParams(temperature=0.0).greedy and SamplingParams(stop="</a>").stop == ("</a>",)
 
 
 # ------------------------------------------------------------------------------------------------------

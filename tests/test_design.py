@@ -12,6 +12,7 @@ ROOT = Path(__file__).resolve().parents[1]
 LAYERS = {
     "lit_parl.trajectory": 1, "lit_parl.kernels": 1, "lit_parl.tokenizer": 1, "lit_parl.tasks": 1,
     "lit_parl.objectives": 1, "lit_parl.model": 1, "lit_parl.lr_schedule": 1, "lit_parl.limits": 1,
+    "lit_parl.prompts": 1, "lit_parl.prompt_files": 1, "lit_parl.chat": 1, "lit_parl.rewards": 1,
     "lit_parl.rollout": 2,
     "lit_parl.data": 3,
     "lit_parl.module": 4, "lit_parl.datamodule": 4, "lit_parl.guards": 4,

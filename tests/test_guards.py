@@ -15,7 +15,8 @@ from lit_parl import OffPolicyError, RolloutDataModule
 from lit_parl.guards import NonFiniteGuard
 from lit_parl.rollout import HFRolloutPool
 from lit_parl.rollout.base import BF16_LOGPROB_TOLERANCE
-from lit_parl.tasks import CopyTask
+from lit_parl.rewards import RewardError
+from lit_parl.tasks import CopyTask, positional_reward
 
 from conftest import InProcessPool, KeepsFirstWeights, WrappedPool, fit, make_components, policy_state, sgd
 
@@ -61,7 +62,7 @@ def test_the_tolerance_comes_from_the_pool_and_widens_for_a_low_precision_traine
     data.logprob_tolerance = 0.3
     assert data.resolved_logprob_tolerance() == 0.3
     with pytest.raises(ValueError, match=r"logprob_tolerance=-1\): give a number > 0"):
-        RolloutDataModule(CopyTask(), _pool(), module.tokenizer, module.shape, module.objective, module.policy, logprob_tolerance=-1)
+        RolloutDataModule(CopyTask(), [positional_reward], _pool(), module.tokenizer, module.shape, module.objective, module.policy, logprob_tolerance=-1)
 
 
 class OneGroupSlightlyOff(WrappedPool):
@@ -138,9 +139,25 @@ class NaNReward(CopyTask):
         return float("nan") if len(completion_ids) == 1 else super().reward(answer_ids, completion_ids, eos_id)
 
 
-def test_a_reward_returning_nan_never_reaches_the_weights():
-    """The backstop behind reward handling: NaN rewards make NaN advantages, and no step is taken with them."""
-    module, data = make_components(pool=InProcessPool(), task=NaNReward(seed=0), on_nonfinite="skip", **sgd(0.5))
+def test_a_reward_returning_nan_stops_the_run_naming_the_reward():
+    """The first line: the scoring policy refuses a NaN reward (``on_error=error``, the default) before any advantage."""
+    module, data = make_components(pool=InProcessPool(), task=NaNReward(seed=0), **sgd(0.5))
+    with pytest.raises(RewardError, match=r"reward 'positional' returned a non-finite value .* on prompt \d+, sample \d+"):
+        fit(module, data, iterations=3)
+
+
+def test_non_finite_rewards_past_scoring_never_reach_the_weights():
+    """The backstop behind reward handling: NaN rewards (here injected after the scorer) make NaN advantages,
+    and no step is taken with them."""
+    module, data = make_components(pool=InProcessPool(), on_nonfinite="skip", **sgd(0.5))
+    score = data.scorer.score
+
+    def nan_for_one_token_completions(drawn, completions):
+        group = score(drawn, completions)
+        group.rewards = [float("nan") if len(c) == 1 else r for c, r in zip(group.completions, group.rewards)]
+        return group
+
+    data.scorer.score = nan_for_one_token_completions
     with pytest.warns(UserWarning, match="non-finite advantages"):
         fit(module, data, iterations=3)
     assert module.guard.skipped_steps >= 1

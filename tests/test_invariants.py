@@ -134,7 +134,7 @@ def _token_mean_reference(initial_policy, recorder: BatchRecorder, pool: Wrapped
     }
     total, tokens = 0.0, 0
     for group in (g for g in pool.returned if g.version == iteration):
-        prompt = data.tokenizer(data.task.make(group.prompt_id)[0], add_special_tokens=False).input_ids
+        prompt = data.tokenizer(data.data.make(group.prompt_id)[0], add_special_tokens=False).input_ids
         for sample, completion in zip(group.sample_indices, group.completions):
             logits = model(input_ids=torch.tensor([prompt + completion])).logits[0, len(prompt) - 1 : -1]
             logp = logits.float().log_softmax(-1).gather(-1, torch.tensor(completion)[:, None])[:, 0]

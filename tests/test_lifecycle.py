@@ -297,7 +297,7 @@ def _compose_and_build(tmp_path: Path, overrides: list[str]):
     [
         (["shape.group_size=1"], InstantiationException, ["group_size=1", "at least 2", "full_key: shape"]),
         (["shape.micro_batch_size=7"], InstantiationException, ["micro_batch_size=7", "32 prompts x group_size 8 = 256", "full_key: shape"]),
-        (["task=nonexistent"], MissingConfigException, ["task/nonexistent", "copy", "reverse"]),
+        (["data=nonexistent"], MissingConfigException, ["data/nonexistent", "copy", "reverse"]),
         (["pool=nonexistent"], MissingConfigException, ["pool/nonexistent", "hf"]),
         (["model=pretrained", "model.path=/does/not/exist"], InstantiationException, ["/does/not/exist", "config.json"]),
         (["model=pretrained"], MissingMandatoryValue, ["model.path"]),
@@ -377,18 +377,18 @@ _WHEEL_CHECK = textwrap.dedent(
     from hydra.utils import get_class, get_method
     with initialize_config_module(config_module="lit_parl.conf", version_base="1.3"):
         cfg = compose(config_name="config", overrides=["run_dir=unused"])
-        for group in ("model", "task", "pool", "algorithm", "optimizer", "lr_schedule", "trainer", "logger", "callbacks"):
+        for group in ("model", "data", "reward", "pool", "algorithm", "optimizer", "lr_schedule", "trainer", "logger", "callbacks"):
             assert group in cfg, group
         assert cfg.model._target_ == "lit_parl.model.tiny_qwen2"
-        assert cfg.task._target_ == "lit_parl.tasks.CopyTask"
+        assert cfg.data._target_ == "lit_parl.tasks.CopyTask"
         assert cfg.pool._target_ == "lit_parl.rollout.HFRolloutPool" and cfg.shape.group_size == 8
         assert cfg.algorithm.objective._target_ == "lit_parl.objectives.GRPOObjective"
         assert cfg.trainer._target_ == "lightning.Trainer"
-        other = compose(config_name="config", overrides=["run_dir=unused", "task=reverse", "model=pretrained", "model.path=/x"])
-        assert other.task._target_ == "lit_parl.tasks.ReverseTask" and other.model._target_ == "lit_parl.model.pretrained"
+        other = compose(config_name="config", overrides=["run_dir=unused", "data=reverse", "model=pretrained", "model.path=/x"])
+        assert other.data._target_ == "lit_parl.tasks.ReverseTask" and other.model._target_ == "lit_parl.model.pretrained"
     for target in (cfg.model._target_, other.model._target_):
         assert under_site(sys.modules[get_method(target).__module__]), target
-    for target in (cfg.task._target_, other.task._target_, cfg.pool._target_, cfg.algorithm.objective._target_):
+    for target in (cfg.data._target_, other.data._target_, cfg.pool._target_, cfg.algorithm.objective._target_):
         assert under_site(sys.modules[get_class(target).__module__]), target
     print("WHEEL OK")
     """
@@ -415,7 +415,7 @@ def test_wheel_ships_subpackages_and_configs(tmp_path):
     assert top_level == {"lit_parl"}, f"top-level modules in the wheel: {sorted(top_level)}"
     for name in ("kernels", "callbacks", "conf"):
         assert not (site / name).exists(), f"the wheel installs a top-level {name!r}"
-    for config in ("config.yaml", "model/tiny_qwen2.yaml", "model/pretrained.yaml", "task/copy.yaml", "task/reverse.yaml",
+    for config in ("config.yaml", "model/tiny_qwen2.yaml", "model/pretrained.yaml", "data/copy.yaml", "data/reverse.yaml", "reward/positional.yaml",
                    "pool/hf.yaml", "algorithm/grpo.yaml", "trainer/cpu.yaml"):
         assert (site / "lit_parl" / "conf" / config).is_file(), f"lit_parl/conf/{config} missing from the wheel"
 
@@ -467,7 +467,7 @@ def test_module_help_from_repo_root():
     )
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-5000:]
     assert "== Configuration groups ==" in run.stdout, run.stdout[-3000:]
-    assert "task: copy, reverse" in run.stdout, run.stdout[-3000:]
+    assert "data: copy, countdown, gsm8k_format, jsonl, reverse" in run.stdout and "reward: countdown, format, gsm8k, math, positional" in run.stdout, run.stdout[-3000:]
 
 
 def test_openmp_threads_sleep_when_idle_unless_the_user_says_otherwise():

@@ -7,14 +7,14 @@ import pytest
 from lit_parl import GRPOModule, GRPOObjective, IterationShape, RolloutDataModule, tiny_qwen2
 from lit_parl.limits import micro_batch_bytes
 from lit_parl.rollout import HFRolloutPool
-from lit_parl.tasks import CopyTask
+from lit_parl.tasks import CopyTask, positional_reward
 from lit_parl.trajectory import SamplingParams
 
 
 def _datamodule(pool, max_new_tokens: int) -> RolloutDataModule:
     policy, tokenizer = tiny_qwen2()
     shape = IterationShape(prompts=8, group_size=4, micro_batch_size=8)
-    return RolloutDataModule(CopyTask(), pool, tokenizer, shape, GRPOObjective(), policy, sampling=SamplingParams(max_new_tokens=max_new_tokens))
+    return RolloutDataModule(CopyTask(), [positional_reward], pool, tokenizer, shape, GRPOObjective(), policy, sampling=SamplingParams(max_new_tokens=max_new_tokens))
 
 
 def test_a_completion_longer_than_the_context_is_refused_before_the_pool_starts():

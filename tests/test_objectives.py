@@ -509,7 +509,7 @@ def test_the_acceptor_shapes_rewards_then_computes_advantages():
     rewards, lengths, truncated = [1.0, 1.0, 0.0, 1.0], [3, 5, 4, 6], [False, False, False, True]
     completions = [[5] * n for n in lengths]
     group = Group(0, 0, [0, 1, 2, 3], completions, [[0.0] * n for n in lengths], rewards, ["length" if t else "stop" for t in truncated])
-    trajectories = acceptor.accept(group, {0: GroupRequest(0, (4,), (5,), 0, (1, 2, 3, 4))}, version=0)
+    trajectories = acceptor.accept(group, {0: GroupRequest(0, (4,), 0, (1, 2, 3, 4))}, version=0)
     shaped = torch.tensor([t.shaped_reward for t in trajectories])
     advantages = torch.tensor([t.advantage for t in trajectories])
     expected_shaped = [hand_shape(r, n, tr, 6, 2, 0.5) for r, n, tr in zip(rewards, lengths, truncated)]

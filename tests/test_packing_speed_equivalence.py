@@ -409,7 +409,7 @@ def sampling_model():
 def requests_for(rng: random.Random, n: int, group_size: int, vocab: int) -> list[GroupRequest]:
     return [
         GroupRequest(
-            prompt_id=pid, prompt_tokens=tuple(rng.randrange(4, vocab) for _ in range(rng.randint(1, 9))), answer_tokens=(5,),
+            prompt_id=pid, prompt_tokens=tuple(rng.randrange(4, vocab) for _ in range(rng.randint(1, 9))), 
             version=0, seeds=tuple(sample_seed(rng.randrange(1000), 0, pid, s) for s in range(group_size)),
         )
         for pid in range(n)

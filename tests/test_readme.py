@@ -53,7 +53,7 @@ def test_every_python_block_runs_as_a_saved_script(tmp_path, index):
 
 def test_a_script_without_the_main_guard_is_told_to_add_it(tmp_path):
     """Spawned workers re-import the script; the error must say what to do, not only that a worker died."""
-    (block,) = [b for b in _blocks("python") if "HFRolloutPool" in b]
+    (block,) = [b for b in _blocks("python") if "HFRolloutPool" in b and "CopyTask()" in b]
     unguarded = block.replace('if __name__ == "__main__":\n', "if True:\n")
     assert unguarded != block
     result = _run_script(tmp_path, unguarded, "unguarded.py")

@@ -104,7 +104,7 @@ def spec(tmp_path):
 
 
 def _requests(version: int) -> list[GroupRequest]:
-    return [GroupRequest(prompt_id=i, prompt_tokens=(4, 5, 41), answer_tokens=(4, 5), version=version, seeds=(1, 2)) for i in range(3)]
+    return [GroupRequest(prompt_id=i, prompt_tokens=(4, 5, 41), version=version, seeds=(1, 2)) for i in range(3)]
 
 
 @pytest.mark.parametrize("fault, message", [

@@ -328,7 +328,7 @@ def test_a_worker_killed_while_sending_large_messages_does_not_disturb_the_other
     try:
         pool.start(PoolSpec("unused", eos_id=1, pad_id=0))
         pool.sync_weights([[("w", torch.zeros(1))]], version=0)
-        requests = [GroupRequest(i, (1,), (1,), version=0, seeds=(i, 10_000 + i)) for i in range(20)]
+        requests = [GroupRequest(i, (1,), version=0, seeds=(i, 10_000 + i)) for i in range(20)]
         received = {}
         for group in pool.generate(requests, SamplingParams()):
             received[group.prompt_id] = group

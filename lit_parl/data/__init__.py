@@ -5,7 +5,7 @@ from lit_parl.data.acceptor import Advantages, GroupAcceptor
 from lit_parl.data.batcher import IterationBatcher
 from lit_parl.data.gate import OffPolicyError, VersionGate
 from lit_parl.data.schedule import PromptSchedule
-from lit_parl.data.scoring import GroupScorer, RewardFunction
+from lit_parl.data.scoring import GroupScorer
 from lit_parl.data.shape import IterationShape
 from lit_parl.data.stats import IterationStats
 
@@ -18,6 +18,5 @@ __all__ = [
     "IterationStats",
     "OffPolicyError",
     "PromptSchedule",
-    "RewardFunction",
     "VersionGate",
 ]

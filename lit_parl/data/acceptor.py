@@ -10,7 +10,7 @@ Example::
     >>> from lit_parl.objectives import GRPOObjective
     >>> from lit_parl.trajectory import Group, GroupRequest
     >>> acceptor = GroupAcceptor(GRPOObjective(), group_size=2, max_new_tokens=4)
-    >>> waiting = {0: GroupRequest(prompt_id=0, prompt_tokens=(5, 3), answer_tokens=(5,), version=1, seeds=(1, 2))}
+    >>> waiting = {0: GroupRequest(prompt_id=0, prompt_tokens=(5, 3), version=1, seeds=(1, 2))}
     >>> group = Group(0, 1, [0, 1], [[5, 1], [6, 1]], [[-0.1, -0.2], [-0.3, -0.1]], [1.0, 0.0], ["stop", "stop"])
     >>> [round(t.advantage, 3) for t in acceptor.accept(group, waiting, version=1)]
     [0.707, -0.707]
@@ -95,6 +95,8 @@ class GroupAcceptor:
                 shaped_reward=shaped_list[k],
                 correct=bool(self.is_correct(reward_list[k])),
                 zero_variance=zero_variance,
+                reward_components={name: values[k] for name, values in group.reward_components.items() if values[k] is not None},
+                reward_failures=tuple(name for name, positions in group.reward_failures.items() if k in positions),
             )
             for k, sample in enumerate(group.sample_indices)
         ]

@@ -87,8 +87,9 @@ class IterationBatcher:
             first = self.schedule.cursor + stats.prompts_drawn
             slot_of = {first + i: slot for i, slot in enumerate(open_slots)}
             stats.prompts_drawn += len(open_slots)
-            requests = self.schedule.requests(list(slot_of), version)
-            groups = self.scorer.stream(self.pool.generate(list(requests.values()), self.sampling), requests)
+            drawn = self.schedule.draw(list(slot_of), version)
+            requests = {prompt_id: d.request for prompt_id, d in drawn.items()}
+            groups = self.scorer.stream(self.pool.generate(list(requests.values()), self.sampling), drawn)
             if self.materialize:  # the colocated baseline: generate everything, then train
                 groups = iter(list(groups))
             waiting = dict(requests)

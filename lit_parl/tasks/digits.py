@@ -1,14 +1,15 @@
-"""Synthetic tasks with a verifiable reward in [0, 1], learnable from random init on a CPU.
+"""Digit tasks: procedural prompt sources with a verifiable reward in [0, 1], learnable from random init on a CPU.
 
-A task makes prompt ``index`` deterministically from its seed (so a resumed run sees the same prompts)
-and scores a completion from token ids, never from decoded text: decoding drops the end token, and
-without credit for stopping a model learns never to stop.
+A task makes row ``index`` deterministically from its seed (so a resumed run sees the same prompts); it
+is a ``lit_parl.prompts.PromptSource`` with ``num_rows=None``. Its reward, ``positional_reward``, reads
+token ids, never decoded text: decoding drops the end token, and without credit for stopping a model
+learns never to stop. (It is an ordinary reward function: its parameters are reward fields.)
 
 Example::
 
     >>> task = CopyTask(min_digits=2, max_digits=4, seed=0)
-    >>> prompt, answer = task.make(0)
-    >>> prompt.endswith("=") and prompt[:-1] == answer
+    >>> row = task.row(0)
+    >>> row.prompt.endswith("=") and row.prompt[:-1] == row.answer
     True
     >>> positional_reward(answer_ids=[5, 6], completion_ids=[5, 6, 1], eos_id=1)
     1.0
@@ -16,10 +17,13 @@ Example::
 
 from __future__ import annotations
 
+import dataclasses
 import random
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Sequence
+
+from lit_parl.prompts import PromptRow
 
 
 def positional_reward(answer_ids: Sequence[int], completion_ids: Sequence[int], eos_id: int) -> float:
@@ -50,6 +54,8 @@ class DigitTask(ABC):
                 f"need 1 <= min_digits <= max_digits, got min_digits={self.min_digits}, max_digits={self.max_digits}"
             )
 
+    num_rows = None  # procedural: row(i) for every i >= 0
+
     @abstractmethod
     def answer(self, digits: str) -> str:
         """The answer text for ``digits``."""
@@ -61,15 +67,20 @@ class DigitTask(ABC):
         digits = "".join(rng.choice("0123456789") for _ in range(length))
         return f"{digits}=", self.answer(digits)
 
+    def row(self, index: int) -> PromptRow:
+        prompt, answer = self.make(index)
+        return PromptRow(index=index, prompt=prompt, answer=answer)
+
+    def evaluation(self) -> "DigitTask":
+        """Held-out prompts: the same task from another seed (a draw repeats a training prompt by chance only)."""
+        return dataclasses.replace(self, seed=f"{self.seed}/eval")
+
     def max_answer_tokens(self) -> int:
         return self.max_digits
 
     def reward(self, answer_ids: Sequence[int], completion_ids: Sequence[int], eos_id: int) -> float:
+        """The task's reward, ``positional_reward`` (``Reward(task.reward)`` uses it as a reward function)."""
         return positional_reward(answer_ids, completion_ids, eos_id)
-
-    def is_correct(self, reward: float) -> bool:
-        """Accuracy: only the exact answer followed by the end token scores 1.0."""
-        return reward >= 1.0
 
 
 class CopyTask(DigitTask):
