@@ -5,14 +5,24 @@ endpoints the pool uses, with SGLang's request and response shapes, over a trans
 from ``--model-path``:
 
 ``/health``, ``/health_generate``, ``/generate`` (single or batched ``input_ids``, ``sampling_params`` as
-one dict or a list, ``n``, ``sampling_seed``, ``stop_token_ids``, ``return_logprob``; answers with
-``output_ids`` and ``meta_info.output_token_logprobs`` / ``finish_reason`` / ``weight_version``),
+one dict or a list, ``n``, ``sampling_seed``, ``stop_token_ids``, ``stop``, ``return_logprob``; answers
+with ``output_ids`` and ``meta_info.output_token_logprobs`` / ``finish_reason`` / ``weight_version``),
 ``/get_weight_version``, ``/update_weights_from_disk``, ``/update_weights_from_tensor``,
 ``/init_weights_update_group``, ``/update_weights_from_distributed`` (gloo here, NCCL in SGLang),
 ``/pause_generation``, ``/continue_generation``, ``/flush_cache``.
 
 Log-probs as SGLang reports them: of the full softmax of logits / T, before top-k/top-p (the draw is from
 the filtered one); with ``SGLANG_RETURN_ORIGINAL_LOGPROB`` true, of the softmax before the temperature.
+
+As strict as SGLang (``sampling_params.py``, ``schedule_batch.py``): a sampling parameter SGLang does not
+have is refused (HTTP 400); ``stop`` strings are refused under ``--skip-tokenizer-init`` (the
+tokenizer decodes the completion to match them); temperature below 1e-6 becomes greedy as SGLang makes
+it, T = 1 with ``top_k=1``; the length limit is checked before the stop conditions, so a sample whose
+last allowed token is an end token or completes a stop string finishes ``{"type": "length"}``;
+otherwise ``{"type": "stop", "matched": <the string>}`` (the first of ``stop`` in order that the
+completion holds) or ``{"type": "stop", "matched": <the token>}``. Assumed, not SGLang's exactly: the
+match runs on the whole completion's text with special tokens skipped (SGLang decodes a tail of
+``stop``'s token length + 1 tokens, special tokens kept: the same on this character tokenizer's text).
 
 Faults for the tests: ``--die-after-generates N`` exits abruptly while answering the (N+1)-th
 ``/generate``; ``--malformed`` drops ``meta_info`` from answers; ``--stale-version`` accepts updates but
@@ -29,11 +39,20 @@ import sys
 
 import torch
 from aiohttp import web
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from lit_parl.rollout.sampling import sample_groups
 from lit_parl.rollout.weight_transfer import deserialize_named_tensors, init_weight_update_group
 from lit_parl.trajectory import GroupRequest, SamplingParams
+
+
+# the API fields of SGLang's SamplingParams (python/sglang/srt/sampling/sampling_params.py)
+SGLANG_SAMPLING_PARAMS = {
+    "max_new_tokens", "stop", "stop_token_ids", "stop_regex", "temperature", "top_p", "top_k", "min_p", "frequency_penalty",
+    "presence_penalty", "repetition_penalty", "min_new_tokens", "n", "json_schema", "regex", "ebnf", "structural_tag",
+    "ignore_eos", "skip_special_tokens", "spaces_between_special_tokens", "no_stop_trim", "custom_params",
+    "stream_interval", "logit_bias", "sampling_seed",
+}
 
 
 class StandIn:
@@ -41,6 +60,7 @@ class StandIn:
         torch.set_num_threads(1)
         self.args = args
         self.model = AutoModelForCausalLM.from_pretrained(args.model_path, attn_implementation="sdpa").eval()
+        self.tokenizer = None if args.skip_tokenizer_init else AutoTokenizer.from_pretrained(args.model_path)
         self.weight_version = "default"
         # read as SGLang reads it: log-probs before the temperature
         self.original_logprob = os.environ.get("SGLANG_RETURN_ORIGINAL_LOGPROB", "false").lower() in ("1", "true")
@@ -61,6 +81,9 @@ class StandIn:
         prompts = body["input_ids"] if batched else [body["input_ids"]]
         params = body.get("sampling_params", {})
         params = params if isinstance(params, list) else [params] * len(prompts)
+        refused = self._refused(params)
+        if refused:
+            return web.json_response({"error": {"message": refused}}, status=400)  # SGLang's answer to a ValueError
         outputs = []
         async with self.lock:
             for prompt, p in zip(prompts, params):
@@ -70,24 +93,44 @@ class StandIn:
                 outputs += await asyncio.to_thread(self._sample, prompt, p, seeds, bool(body.get("return_logprob")))
         return web.json_response(outputs if batched or len(outputs) > 1 else outputs[0])
 
+    def _refused(self, params: list[dict]) -> str | None:
+        """What SGLang refuses in these sampling parameters (its ``SamplingParams`` and ``normalize``)."""
+        for p in params:
+            unknown = sorted(set(p) - SGLANG_SAMPLING_PARAMS)
+            if unknown:
+                return f"SamplingParams got unexpected keyword arguments {unknown}"
+            if p.get("stop") and self.tokenizer is None:
+                return (f"stop={p['stop']!r} is unavailable when skip_tokenizer_init=True "
+                        "(requires tokenizer to decode tokens to text for matching).")
+        return None
+
     def _sample(self, prompt: list[int], p: dict, seeds: list[int], return_logprob: bool) -> list[dict]:
         stops = list(p.get("stop_token_ids") or [])
+        strings = p.get("stop") or []
+        strings = [strings] if isinstance(strings, str) else list(strings)
+        temperature, top_k = float(p.get("temperature", 1.0)), int(p.get("top_k", -1))
+        if 0 <= temperature < 1e-6:  # SGLang's greedy: T = 1, the top token only
+            temperature, top_k = 1.0, 1
+        max_new_tokens = int(p.get("max_new_tokens", 128))
         sampling = SamplingParams(
-            max_new_tokens=int(p.get("max_new_tokens", 128)),
-            temperature=float(p.get("temperature", 1.0)),
+            max_new_tokens=max_new_tokens,
+            temperature=temperature,
             top_p=float(p.get("top_p", 1.0)),
-            top_k=max(0, int(p.get("top_k", -1))),
+            top_k=max(0, top_k),
             stop_token_ids=tuple(stops[1:]),
+            stop=tuple(strings),
         )
         eos = stops[0] if stops else self.model.config.eos_token_id
-        request = GroupRequest(prompt_id=0, prompt_tokens=tuple(prompt), answer_tokens=(), version=0, seeds=tuple(seeds))
-        (sampled,) = list(sample_groups(self.model, [request], sampling, eos, eos))
+        request = GroupRequest(prompt_id=0, prompt_tokens=tuple(prompt), version=0, seeds=tuple(seeds))
+        (sampled,) = list(sample_groups(self.model, [request], sampling, eos, eos, self.tokenizer))
         outputs = []
-        for tokens, logprobs, reason in zip(sampled.completions, sampled.logprobs, sampled.finish_reasons):
+        for tokens, logprobs in zip(sampled.completions, sampled.logprobs):
             if self.original_logprob:
                 logprobs = self._logprobs_before_temperature(prompt, tokens)
+            text = self.tokenizer.decode(tokens, skip_special_tokens=True) if strings else ""
+            matched = next((s for s in strings if s in text), tokens[-1])  # a string the last token completed, or the token
             meta = {
-                "finish_reason": {"type": reason, "matched": tokens[-1]} if reason == "stop" else {"type": "length", "length": len(tokens)},
+                "finish_reason": {"type": "length", "length": max_new_tokens} if len(tokens) >= max_new_tokens else {"type": "stop", "matched": matched},
                 "prompt_tokens": len(prompt),
                 "completion_tokens": len(tokens),
                 "weight_version": self.weight_version,
@@ -179,11 +222,12 @@ def main() -> None:
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=30000)
     parser.add_argument("--tp-size", type=int, default=1)
+    parser.add_argument("--skip-tokenizer-init", action="store_true")
     parser.add_argument("--die-after-generates", type=int, default=None)
     parser.add_argument("--malformed", action="store_true")
     parser.add_argument("--stale-version", action="store_true")
     parser.add_argument("--exit-at-start", action="store_true")
-    args, _ = parser.parse_known_args()  # --skip-tokenizer-init, --mem-fraction-static, ...: SGLang's, ignored
+    args, _ = parser.parse_known_args()  # --mem-fraction-static, ...: SGLang's, ignored
     if args.exit_at_start:
         print("stand-in: exiting at start as asked", flush=True)
         sys.exit(3)

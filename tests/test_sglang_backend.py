@@ -1,7 +1,8 @@
 """The SGLang pool against a stand-in server (tests/sglang_standin.py: SGLang's endpoints over a tiny
 transformers model; it is not SGLang, which needs a GPU). What is checked here is the pool's side of the
 protocol: launch and attach, the three weight-sync methods and their confirmation, generation with
-per-sample seeds and log-probs, retries when a server dies, clear errors, and a training run."""
+per-sample seeds and log-probs, stop strings and greedy decoding, the finish reasons, retries when a
+server dies, clear errors, and a training run."""
 
 from __future__ import annotations
 
@@ -10,6 +11,9 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.error
+import urllib.request
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -18,10 +22,11 @@ import torch
 from lit_parl.model import tiny_qwen2
 from lit_parl.rollout import PoolSpec
 from lit_parl.rollout.sglang import MalformedResponse, SGLangRolloutPool
-from lit_parl.rollout.sglang.messages import parse_group
+from lit_parl.rollout.sampling import sample_groups
+from lit_parl.rollout.sglang.messages import Ends, parse_group
 from lit_parl.tasks import CopyTask
 from lit_parl.trajectory import GroupCompletions, GroupRequest, SamplingParams, sample_seed
-from test_sampling_semantics import filtered_distribution
+from test_sampling_semantics import argmax_loop, filtered_distribution, stop_strings_for
 
 pytest.importorskip("aiohttp")
 
@@ -65,7 +70,6 @@ def requests_for(version: int, prompts: int = 4, group_size: int = 4, first: int
         out.append(GroupRequest(
             prompt_id=prompt_id,
             prompt_tokens=tuple(tokenizer(text, add_special_tokens=False).input_ids),
-            answer_tokens=tuple(tokenizer(answer, add_special_tokens=False).input_ids),
             version=version,
             seeds=tuple(sample_seed(0, version, prompt_id, s) for s in range(group_size)),
         ))
@@ -330,17 +334,26 @@ def test_a_malformed_response_is_a_clear_error(saved_model):
 def test_parse_checks_every_field():
     """The response checks, without a server: versions, lengths, finish reasons."""
     request = requests_for(0, prompts=1, group_size=2)[0]
+    _, tokenizer = tiny_qwen2()
+    sampling = SamplingParams(max_new_tokens=3, stop_token_ids=(9,), stop=("ab",))
+    ends = Ends.of(sampling, eos_id=2, decode=tokenizer.decode)
 
     def parse(answers, url):  # the pool holds version 0
-        return parse_group(request, answers, url, default_version=0)
+        return parse_group(request, answers, url, default_version=0, ends=ends)
 
-    def output(tokens, version="0", reason="stop"):
+    def output(tokens, version="0", reason=None):
+        reason = reason or ({"type": "length", "length": 3} if len(tokens) == 3 else {"type": "stop", "matched": tokens[-1]})
         return {"output_ids": tokens, "meta_info": {"output_token_logprobs": [[-0.5, t, None] for t in tokens],
-                                                    "finish_reason": {"type": reason}, "weight_version": version}}
+                                                    "finish_reason": reason, "weight_version": version}}
 
-    group = parse([output([5, 2]), output([7, 8, 9], reason="length")], "u")
-    assert group.completions == [[5, 2], [7, 8, 9]] and group.finish_reasons == ["stop", "length"] and group.version == 0
+    a, b = tokenizer.convert_tokens_to_ids(["a", "b"])
+    group = parse([output([5, 2]), output([7, 8, 10])], "u")
+    assert group.completions == [[5, 2], [7, 8, 10]] and group.finish_reasons == ["stop", "length"] and group.version == 0
     assert parse([output([5, 2], "4"), output([5, 2], "4")], "u").version == 4  # stamped by the server
+    # SGLang checks the length limit first: a stop token or string met by the last allowed token says "length"
+    at_limit = parse([output([5, 6, 9]), output([7, a, b])], "u")
+    assert at_limit.finish_reasons == ["stop", "stop"]
+    assert parse([output([5, a, b], reason={"type": "stop", "matched": "ab"}), output([a, b], reason={"type": "stop", "matched": "ab"})], "u").finish_reasons == ["stop", "stop"]
     with pytest.raises(MalformedResponse, match="expected a list of 2 outputs, got a list of 1"):
         parse([output([5])], "u")
     with pytest.raises(MalformedResponse, match="several weight versions"):
@@ -348,11 +361,101 @@ def test_parse_checks_every_field():
     with pytest.raises(MalformedResponse, match="weight_version 'default'"):
         parse([output([5], "default"), output([5], "default")], "u")
     with pytest.raises(MalformedResponse, match="unknown finish_reason"):
-        parse([output([5], reason="eos"), output([5])], "u")
+        parse([output([5], reason={"type": "eos"}), output([5])], "u")
+    with pytest.raises(MalformedResponse, match=r"sample 0: a 'stop' finish_reason without the token or string it matched"):
+        parse([output([5], reason={"type": "stop"}), output([5])], "u")
+    with pytest.raises(MalformedResponse, match="sample 1: finished on token 2, but the completion ends with 5"):
+        parse([output([5]), output([5], reason={"type": "stop", "matched": 2})], "u")
+    with pytest.raises(MalformedResponse, match=r"finished on the string 'NaN happened', not one of sampling.stop \('ab',\)"):
+        parse([output([5], reason={"type": "stop", "matched": "NaN happened"}), output([5])], "u")
+    with pytest.raises(MalformedResponse, match="finish_reason 'length' after 2 tokens; the limit is 3"):
+        parse([output([5, 6], reason={"type": "length", "length": 2}), output([5])], "u")
     bad = output([5, 6])
     bad["output_ids"] = [5]
     with pytest.raises(MalformedResponse, match="output_ids disagree"):
         parse([bad, output([5])], "u")
+    with pytest.raises(ValueError, match="stop strings need decode"):
+        Ends.of(sampling, eos_id=2)
+
+
+# ------------------------------------------------------------------------------------------------------
+# stop strings and greedy: the hf sampler's results, whatever SGLang's own order of checks
+# ------------------------------------------------------------------------------------------------------
+def test_stop_strings_and_greedy_give_the_hf_samplers_results(spec):
+    """The same seeds through the pool and through the hf sampler: stop strings cut the same samples at the
+    same token with "stop", the last allowed token too (where SGLang says "length"); greedy is the argmax."""
+    model, tokenizer = tiny_qwen2(seed=0)
+    requests = requests_for(0, prompts=6)
+    plain = SamplingParams(max_new_tokens=6, temperature=0.7)
+
+    def hf(sampling):
+        groups = sample_groups(model, requests, sampling, tokenizer.eos_token_id, tokenizer.pad_token_id, tokenizer)
+        return {g.request.prompt_id: (g.completions, g.finish_reasons) for g in groups}
+
+    stop = stop_strings_for(tokenizer, [c for completions, _ in hf(plain).values() for c in completions], 6)
+    with_stop = replace(plain, stop=stop)
+    expected = hf(with_stop)
+    reasons = {(r, len(c) == 6) for completions, rs in expected.values() for c, r in zip(completions, rs)}
+    assert ("stop", True) in reasons and ("stop", False) in reasons, reasons
+
+    pool = start_pool(spec, sync_method="disk")
+    try:
+        pool.sync_weights(buckets(model), version=0)
+        got = {g.prompt_id: (g.completions, g.finish_reasons) for g in pool.generate(requests, with_stop)}
+        greedy = {g.prompt_id: g for g in pool.generate(requests, SamplingParams(max_new_tokens=6, temperature=0.0))}
+    finally:
+        pool.close()
+    assert got == expected
+    for request in requests:
+        tokens, logprobs = argmax_loop(model, request.prompt_tokens, 6, {tokenizer.eos_token_id})
+        assert greedy[request.prompt_id].completions == [tokens] * 4
+        for row in greedy[request.prompt_id].logprobs:
+            torch.testing.assert_close(torch.tensor(row), torch.tensor(logprobs), atol=1e-4, rtol=0)
+
+
+def test_the_standin_answers_and_refuses_as_sglang_does(saved_model):
+    """Finish reasons as SGLang reports them; stop strings refused by a server without its tokenizer, and
+    sampling parameters SGLang does not have refused (an attached server's 400 reaches the caller)."""
+    model, spec, model_dir = saved_model
+    process, url = launch_standin(model_dir)
+    bare, bare_url = launch_standin(model_dir, "--skip-tokenizer-init")
+    try:
+        prompt = list(requests_for(0, prompts=1)[0].prompt_tokens)
+
+        def post(target, params, seed=3):
+            body = json.dumps({"input_ids": prompt, "sampling_params": {"max_new_tokens": 6, "sampling_seed": seed, **params}, "return_logprob": True})
+            request = urllib.request.Request(target + "/generate", body.encode(), {"Content-Type": "application/json"})
+            try:
+                with urllib.request.urlopen(request, timeout=60) as response:
+                    return response.status, json.loads(response.read())
+            except urllib.error.HTTPError as error:
+                return error.code, json.loads(error.read())
+
+        # a seed whose 6 tokens are distinct, so that each of them stops the sample at its own place
+        seed, tokens = next((seed, answer["output_ids"]) for seed in range(50) for answer in [post(url, {}, seed)[1]] if len(set(answer["output_ids"])) == 6)
+        assert post(url, {}, seed)[1]["meta_info"]["finish_reason"] == {"type": "length", "length": 6}
+        _, tokenizer = tiny_qwen2()
+        text = tokenizer.decode(tokens[:3], skip_special_tokens=True)
+        assert post(url, {"stop": ["@@", text[1:]]}, seed)[1]["meta_info"]["finish_reason"] == {"type": "stop", "matched": text[1:]}
+        assert post(url, {"stop_token_ids": [1, tokens[1]]}, seed)[1]["meta_info"]["finish_reason"] == {"type": "stop", "matched": tokens[1]}
+        # the last allowed token is a stop token: SGLang checks the length limit first
+        assert post(url, {"stop_token_ids": [1, tokens[5]]}, seed)[1]["meta_info"]["finish_reason"] == {"type": "length", "length": 6}
+        assert post(url, {"stop_strings": ["x"]}) == (400, {"error": {"message": "SamplingParams got unexpected keyword arguments ['stop_strings']"}})
+        status, refused = post(bare_url, {"stop": ["x"]})
+        assert status == 400 and "unavailable when skip_tokenizer_init=True" in refused["error"]["message"]
+
+        pool = SGLangRolloutPool(urls=[bare_url], sync_method="disk")
+        try:
+            pool.start(spec)
+            pool.sync_weights(buckets(model), version=0)
+            with pytest.raises(RuntimeError, match=r"HTTP 400: .*unavailable when skip_tokenizer_init=True"):
+                list(pool.generate(requests_for(0, prompts=1), replace(SAMPLING, stop=("x",))))
+        finally:
+            pool.close()
+    finally:
+        for p in (process, bare):
+            p.kill()
+            p.wait()
 
 
 # ------------------------------------------------------------------------------------------------------

@@ -42,7 +42,7 @@ trains with one like it)::
     >>> pool = EchoPool()
     >>> pool.start(PoolSpec(model_dir="unused", eos_id=1, pad_id=0))
     >>> pool.sync_weights([[("w", torch.zeros(1))]], version=0)
-    >>> request = GroupRequest(prompt_id=7, prompt_tokens=(4, 5), answer_tokens=(4,), version=0, seeds=(1, 2))
+    >>> request = GroupRequest(prompt_id=7, prompt_tokens=(4, 5), version=0, seeds=(1, 2))
     >>> [(g.prompt_id, g.completions) for g in pool.generate([request], SamplingParams())]
     [(7, [[4, 1], [4, 1]])]
     >>> pool.health().version, pool.health().started
@@ -157,7 +157,10 @@ class RolloutPool(ABC):
         Sample ``k`` of a request uses ``request.seeds[k]``. Each result carries the version the worker
         *held* when it sampled (the trainer refuses any other), the sampled tokens with the end token
         kept, the sampler's log-prob of each token at ``sampling.temperature``, and ``"stop"`` or
-        ``"length"`` per sample. All of a call's requests should be in flight at once: the trainer trains
+        ``"length"`` per sample. A stop string (``sampling.stop``) ends a sample at the token whose text
+        completes it in the decoded completion: that token is kept, none after it, and the reason is
+        ``"stop"`` (also on the last token the limit allows). Temperature 0 is greedy: the argmax token,
+        whatever the seed, with its log-prob in the plain softmax (T = 1). All of a call's requests should be in flight at once: the trainer trains
         on early groups while later ones are generated. Raise, never hang, when a worker dies (within the
         backend's own timeout); the caller may stop iterating early, and ``close`` must then still work.
         """

@@ -19,7 +19,7 @@ Example::
     >>> pool = HFRolloutPool(num_workers=1)
     >>> pool.start(PoolSpec(model_dir, eos_id=tok.eos_token_id, pad_id=tok.pad_token_id))
     >>> pool.sync_weights([list(model.named_parameters())], version=0)  # one bucket: the whole model
-    >>> request = GroupRequest(prompt_id=0, prompt_tokens=(4, 5, 41), answer_tokens=(4, 5), version=0, seeds=(1, 2))
+    >>> request = GroupRequest(prompt_id=0, prompt_tokens=(4, 5, 41), version=0, seeds=(1, 2))
     >>> [(g.prompt_id, g.version, len(g.completions)) for g in pool.generate([request], SamplingParams(max_new_tokens=4))]
     [(0, 0, 2)]
     >>> pool.close(); shutil.rmtree(model_dir)
@@ -35,6 +35,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from lit_parl.rollout.base import FP32_LOGPROB_TOLERANCE, PoolSpec
 from lit_parl.rollout.sampling import sample_groups
+from lit_parl.rollout.stop_strings import load_tokenizer
 from lit_parl.rollout.workers import SpawnedWorkerPool
 from lit_parl.trajectory import GroupCompletions, GroupRequest, SamplingParams
 
@@ -44,6 +45,7 @@ class HFEngine:
 
     Args:
         model_dir: the directory whose ``config.json`` gives the architecture; its weights are not read.
+            Its tokenizer is loaded on the first request with stop strings (they are matched in text).
         eos_id: the end token (kept in completions).
         pad_id: the token left-padding a batch of prompts.
         threads: CPU threads this worker's torch uses.
@@ -53,7 +55,8 @@ class HFEngine:
         torch.set_num_threads(threads)
         config = AutoConfig.from_pretrained(model_dir)
         self.model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").eval()
-        self.eos_id, self.pad_id = eos_id, pad_id
+        self.model_dir, self.eos_id, self.pad_id = model_dir, eos_id, pad_id
+        self.tokenizer = None
 
     def load(self, shared: dict[str, torch.Tensor], version: int) -> None:
         parameters = dict(self.model.named_parameters())
@@ -65,7 +68,9 @@ class HFEngine:
                 parameter.copy_(shared[name])
 
     def sample(self, requests: list[GroupRequest], sampling: SamplingParams, version: int) -> Iterator[GroupCompletions]:
-        for sampled in sample_groups(self.model, requests, sampling, self.eos_id, self.pad_id):
+        if sampling.stop and self.tokenizer is None:
+            self.tokenizer = load_tokenizer(self.model_dir, sampling.stop)
+        for sampled in sample_groups(self.model, requests, sampling, self.eos_id, self.pad_id, self.tokenizer):
             r = sampled.request
             yield GroupCompletions(
                 prompt_id=r.prompt_id,

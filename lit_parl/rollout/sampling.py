@@ -10,6 +10,13 @@ Finished groups are handed out at once and their rows dropped from the batch.
 Log-probs: each token's is that of the full softmax of logits / T, before the top-k/top-p filter, the
 distribution the trainer differentiates (``lit_parl.kernels.forward.completion_logprobs``); the draw
 comes from the filtered one. The ``vllm`` and ``sglang`` pools report the same.
+
+Greedy (``temperature == 0``, for evaluation): each token is the argmax of the logits, so seeds play no
+part and the G samples of a group are one; its log-prob is that of the plain softmax (T = 1).
+
+Stop strings (``SamplingParams.stop``) need the tokenizer: a sample ends with ``"stop"`` at the token
+that completes one in its decoded completion (``lit_parl.rollout.stop_strings``). Without stop strings
+nothing is decoded.
 """
 
 from __future__ import annotations
@@ -20,8 +27,9 @@ from dataclasses import dataclass
 import inspect
 
 import torch
-from transformers import DynamicCache, PreTrainedModel
+from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
 
+from lit_parl.rollout.stop_strings import StopStrings
 from lit_parl.trajectory import GroupRequest, SamplingParams
 
 
@@ -67,12 +75,16 @@ def sample_groups(
     sampling: SamplingParams,
     eos_id: int,
     pad_id: int,
+    tokenizer: PreTrainedTokenizerBase | None = None,
 ) -> Iterator[SampledGroup]:
     """Yield each request's completions as soon as all of its samples have stopped.
 
-    Each token is drawn from the top-k/top-p filtered softmax of logits / T; its log-prob is that of
-    the unfiltered softmax of logits / T.
+    Each token is drawn from the top-k/top-p filtered softmax of logits / T (T = 0: the argmax); its
+    log-prob is that of the unfiltered softmax of logits / T (T = 0: of the logits). ``tokenizer``
+    decodes completions for ``sampling.stop``; it is needed only then.
     """
+    if sampling.stop and tokenizer is None:
+        raise ValueError(f"sampling.stop={sampling.stop!r} needs the tokenizer to decode completions: pass sample_groups(tokenizer=...)")
     if not requests:
         return
     group_size = requests[0].group_size
@@ -98,12 +110,13 @@ def sample_groups(
     next_position = positions[:, -1:].repeat_interleave(group_size, 0) + 1
 
     rows = len(requests) * group_size  # batch row r is sample r % group_size of request r // group_size
-    generators = []
-    for request in requests:
+    generators = []  # greedy draws nothing: no generator
+    for request in requests if not sampling.greedy else ():
         for seed in request.seeds:
             generator = torch.Generator(device=device)
             generator.manual_seed(seed)
             generators.append(generator)
+    strings = StopStrings(tokenizer, sampling.stop, rows) if sampling.stop else None
     vocab = logits.shape[-1]
     # A CPU generator's stream is serial: one draw of (k, V) uniforms equals k draws of V in a row. So on
     # CPU each row draws the Gumbel noise of several steps at once, in blocks of 8, 16, 32... steps (at most
@@ -114,41 +127,53 @@ def sample_groups(
     lengths = torch.zeros(rows, dtype=torch.long, device=device)
     out_tokens = torch.zeros((rows, sampling.max_new_tokens), dtype=torch.long, device=device)
     out_logprobs = torch.zeros((rows, sampling.max_new_tokens), dtype=torch.float32, device=device)
-    stop_set = set(stops.tolist())
+    stopped = torch.zeros(rows, dtype=torch.bool, device=device)  # ended by a stop token or string
 
     for step in range(sampling.max_new_tokens):
-        scaled = logits.float() / sampling.temperature
-        token_logprobs = scaled.log_softmax(-1)
-        if device.type == "cpu":
-            if noise is None or step - noise_step == noise.shape[1]:
-                steps = min(block, sampling.max_new_tokens - step, max(1, _NOISE_BLOCK_ELEMENTS // vocab))
-                noise = torch.stack([torch.rand((steps, vocab), generator=g) for g in generators])
-                noise_step, block = step, 2 * block
-            uniform = noise[:, step - noise_step]
+        if sampling.greedy:
+            scaled = logits.float()
+            choice = scaled.argmax(-1)
         else:
-            uniform = torch.stack([torch.rand(vocab, generator=g, device=device) for g in generators])
-        gumbel = -torch.log(-torch.log(uniform.clamp(min=1e-20, max=1.0 - 1e-7)))
-        choice = (filter_logits(scaled, sampling.top_k, sampling.top_p) + gumbel).argmax(-1)
+            scaled = logits.float() / sampling.temperature
+            if device.type == "cpu":
+                if noise is None or step - noise_step == noise.shape[1]:
+                    steps = min(block, sampling.max_new_tokens - step, max(1, _NOISE_BLOCK_ELEMENTS // vocab))
+                    noise = torch.stack([torch.rand((steps, vocab), generator=g) for g in generators])
+                    noise_step, block = step, 2 * block
+                uniform = noise[:, step - noise_step]
+            else:
+                uniform = torch.stack([torch.rand(vocab, generator=g, device=device) for g in generators])
+            gumbel = -torch.log(-torch.log(uniform.clamp(min=1e-20, max=1.0 - 1e-7)))
+            choice = (filter_logits(scaled, sampling.top_k, sampling.top_p) + gumbel).argmax(-1)
+        token_logprobs = scaled.log_softmax(-1)
         out_tokens[:, step] = choice
         out_logprobs[:, step] = token_logprobs.gather(-1, choice[:, None])[:, 0]
         last = step == sampling.max_new_tokens - 1
-        # a running sample takes this token; it stops on a stop token or at the length limit
+        # a running sample takes this token; it stops on a stop token or string, or at the length limit
         lengths += alive
+        ends = alive & torch.isin(choice, stops)
+        if strings is not None:  # every running sample's completion is step + 1 tokens long now
+            running = alive.nonzero()[:, 0].tolist()
+            matched = strings.update(choice[running].tolist(), running)
+            if matched:
+                ends[torch.tensor(matched, device=device)] = True
+        stopped |= ends
         if last:
             alive.zero_()
         else:
-            alive &= torch.isin(choice, stops, invert=True)
+            alive &= ~ends
         finished = [k for k, running in enumerate(alive.view(-1, group_size).any(-1).tolist()) if not running]  # positions in `active`
         if finished:
             index = torch.tensor([k * group_size + s for k in finished for s in range(group_size)], device=device)
-            for k, tokens, logprobs, n in zip(
+            for k, tokens, logprobs, n, ended in zip(
                 finished,
                 out_tokens[index].view(len(finished), group_size, -1).tolist(),
                 out_logprobs[index].view(len(finished), group_size, -1).tolist(),
                 lengths[index].view(len(finished), group_size).tolist(),
+                stopped[index].view(len(finished), group_size).tolist(),
             ):
                 completions = [seq[:m] for seq, m in zip(tokens, n)]
-                reasons = ["stop" if seq[-1] in stop_set else "length" for seq in completions]
+                reasons = ["stop" if e else "length" for e in ended]
                 yield SampledGroup(requests[active[k]], completions, [lp[:m] for lp, m in zip(logprobs, n)], reasons)
         if last or len(finished) == len(active):
             break
@@ -159,9 +184,12 @@ def sample_groups(
             keep_rows = [k * group_size + s for k in keep_groups for s in range(group_size)]
             keep = torch.tensor(keep_rows, device=device)
             cache.batch_select_indices(keep)
-            generators = [generators[r] for r in keep_rows]
+            generators = [generators[r] for r in keep_rows] if generators else generators
+            if strings is not None:
+                strings.select(keep_rows)
             choice, attention, next_position = choice[keep], attention[keep], next_position[keep]
-            alive, lengths, out_tokens, out_logprobs = alive[keep], lengths[keep], out_tokens[keep], out_logprobs[keep]
+            alive, lengths, stopped = alive[keep], lengths[keep], stopped[keep]
+            out_tokens, out_logprobs = out_tokens[keep], out_logprobs[keep]
             if noise is not None:
                 noise = noise[keep]
         attention = torch.cat([attention, attention.new_ones((attention.shape[0], 1))], dim=1)

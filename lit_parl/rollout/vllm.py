@@ -20,6 +20,10 @@ itself (``LLMEngine.step``) and emits each group, unscored, as soon as its G req
 Log-probs: the full softmax at T, as the trainer computes it, whatever ``top_k``/``top_p`` the engine
 draws with: the engine runs ``logprobs_mode="raw_logprobs"`` and the worker folds 1/T into the model's
 logits (``lit_parl.rollout.vllm_engine``), since no vLLM mode is "after the temperature, before the filter".
+Greedy (T = 0) asks vLLM for its argmax, with the plain softmax's log-probs.
+
+Stop strings are vLLM's own (its detokenizer matches them), so the engine loads the model directory's
+tokenizer; requests without stop strings are never detokenized.
 
 Weights: the pool copies each bucket into shared-memory tensors as it arrives. Each worker loads them
 through a worker extension (``EngineArgs.worker_extension_cls``) that calls vLLM's in-place
@@ -36,7 +40,7 @@ files, a model with head size 32 such as ``tiny_qwen2(hidden_size=128, intermedi
     pool = VLLMRolloutPool()
     pool.start(PoolSpec(model_dir, eos_id=tok.eos_token_id, pad_id=tok.pad_token_id))
     pool.sync_weights([list(model.named_parameters())], version=0)
-    request = GroupRequest(prompt_id=0, prompt_tokens=(4, 5, 41), answer_tokens=(4, 5), version=0, seeds=(1, 2))
+    request = GroupRequest(prompt_id=0, prompt_tokens=(4, 5, 41), version=0, seeds=(1, 2))
     [g.prompt_id for g in pool.generate([request], SamplingParams(max_new_tokens=4))]  # [0]
     pool.close()
 """
@@ -44,17 +48,19 @@ files, a model with head size 32 such as ``tiny_qwen2(hidden_size=128, intermedi
 from __future__ import annotations
 
 import functools
+from collections.abc import Iterator
 
 from lit_parl.rollout.base import BF16_LOGPROB_TOLERANCE, FP32_LOGPROB_TOLERANCE, PoolSpec
 from lit_parl.rollout.vllm_engine import EXTENSION, VLLMEngine
 from lit_parl.rollout.workers import SpawnedWorkerPool
-from lit_parl.trajectory import GroupRequest
+from lit_parl.trajectory import GroupCompletions, GroupRequest, SamplingParams
 
 
 class VLLMRolloutPool(SpawnedWorkerPool):
     """``num_workers`` spawned processes, each running one vLLM engine.
 
-    The engine starts without a tokenizer (``skip_tokenizer_init``): prompts are token ids. Owns the
+    Prompts and completions are token ids; the engine loads the model directory's tokenizer for
+    ``SamplingParams.stop`` only (``skip_tokenizer_init=True`` in ``engine_kwargs`` refuses them). Owns the
     engine arguments and how requests are split (round-robin, each worker's share in one batch); the
     processes, the weights and the messages are ``SpawnedWorkerPool``'s, which also stops any process
     vLLM starts under a worker.
@@ -109,7 +115,6 @@ class VLLMRolloutPool(SpawnedWorkerPool):
                 "vLLM's log-probs are the trainer's (the full softmax at T); remove it"
             )
         self.engine_args = {
-            "skip_tokenizer_init": True,
             "dtype": dtype,
             "seed": seed,
             "enforce_eager": enforce_eager,
@@ -133,6 +138,14 @@ class VLLMRolloutPool(SpawnedWorkerPool):
                 f"VLLMRolloutPool(max_model_len={limit}) cannot hold a prompt and sampling.max_new_tokens="
                 f"{sampling.max_new_tokens}: raise pool.max_model_len or lower sampling.max_new_tokens"
             )
+
+    def _generate(self, requests: list[GroupRequest], sampling: SamplingParams) -> Iterator[GroupCompletions]:
+        if sampling.stop and self.engine_args.get("skip_tokenizer_init"):  # vLLM would ignore them without a word
+            raise ValueError(
+                f"sampling.stop={sampling.stop!r} needs the engine's tokenizer, but VLLMRolloutPool(engine_kwargs="
+                "{'skip_tokenizer_init': True}) starts it without one: remove skip_tokenizer_init or drop sampling.stop"
+            )
+        return super()._generate(requests, sampling)
 
     def _engine(self, spec: PoolSpec, threads: int):
         return functools.partial(VLLMEngine, str(spec.model_dir), self.engine_args, spec.eos_id, threads)

@@ -10,6 +10,13 @@ renormalised distribution). So the engine runs ``raw_logprobs`` with the tempera
 model's logits: its ``LogitsProcessor.scale`` becomes 1 / T and every request samples at temperature 1.
 The logits then are logits / T, ``raw_logprobs`` their full log-softmax, and the draws come from
 exactly the distribution vLLM draws from at temperature T (its top-k and top-p act on logits / T).
+Greedy (T = 0): the scale stays 1 and the request asks vLLM for temperature 0, its argmax; the
+log-probs are then the plain softmax's.
+
+Stop strings: vLLM matches them in its incremental detokenizer (``detokenize=True`` only for requests
+that have some), keeps the tokens through the one that completed the string and drops any after it,
+and finishes the request with ``"stop"`` (``stop_reason`` the string), also when that token was the
+last one ``max_tokens`` allowed: our semantics. Only the completion's text is searched.
 """
 
 from __future__ import annotations
@@ -106,9 +113,9 @@ class VLLMEngine:
         from vllm import SamplingParams as VLLMSamplingParams
         from vllm.sampling_params import RequestOutputKind
 
-        self._fold_temperature(sampling.temperature)
+        self._fold_temperature(1.0 if sampling.greedy else sampling.temperature)
 
-        # the engine has no tokenizer (skip_tokenizer_init), so it knows no end token: pass it as a stop token
+        # the end token is PoolSpec.eos_id, passed as a stop token; vLLM's own (the tokenizer's) is ignored
         stops = sorted({self.eos_id, *sampling.stop_token_ids})
         samples: dict[int, list] = {r.prompt_id: [None] * r.group_size for r in requests}
         for r in requests:
@@ -116,13 +123,16 @@ class VLLMEngine:
                 params = VLLMSamplingParams(
                     n=1,
                     seed=seed,
-                    temperature=1.0,  # T is in the logits already (_fold_temperature)
+                    # T is in the logits already (_fold_temperature); 0 is vLLM's greedy, the argmax
+                    temperature=0.0 if sampling.greedy else 1.0,
                     top_p=sampling.top_p,
                     top_k=sampling.top_k,  # 0 disables it, in vLLM as here
                     max_tokens=sampling.max_new_tokens,
                     stop_token_ids=stops,
+                    ignore_eos=True,  # stops at stop_token_ids still: only the tokenizer's end token is ignored
+                    stop=list(sampling.stop) or None,
                     logprobs=0,  # the sampled token's log-prob only
-                    detokenize=False,
+                    detokenize=bool(sampling.stop),  # text only where stop strings are searched in it
                     output_kind=RequestOutputKind.FINAL_ONLY,  # one output per request, when it has finished
                 )
                 self.engine.add_request(f"{r.prompt_id}/{index}", _token_prompt(r.prompt_tokens), params)

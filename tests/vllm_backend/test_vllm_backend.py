@@ -8,6 +8,9 @@
   token is drawn from the filtered set. Groups come back unscored: the trainer scores them.
 * A weight sync really changes what is generated: log-probs follow the synced model exactly, also for long
   prompts whose KV the prefix cache holds; syncing the old weights back reproduces the old samples.
+* Stop strings end a sample at the token that completes one (kept, "stop", the last allowed token too),
+  as the ``hf`` sampler's reference finds it; greedy (T = 0) is the argmax loop over the model, every
+  sample of a group alike, with the plain softmax's log-probs.
 * ``close`` leaves no process behind and the model directory it was given as it was; a SIGKILLed
   trainer takes its workers with it.
 * A worker killed with its work unfinished is replaced: every prompt comes back once, with the
@@ -54,7 +57,7 @@ if importlib.util.find_spec("vllm") is None:
     pytest.skip("vLLM is not installed here; `make test-vllm` installs it in .venv-vllm and runs these tests", allow_module_level=True)
 from vllm import EngineArgs, LLMEngine  # noqa: E402, F401 - fails the module if an installed vLLM does not import
 
-from test_sampling_semantics import filtered_distribution  # noqa: E402 - tests/ is on the path (tests/conftest.py)
+from test_sampling_semantics import argmax_loop, filtered_distribution, first_stop, stop_strings_for  # noqa: E402 - tests/ is on the path (tests/conftest.py)
 
 REPO = Path(__file__).resolve().parents[2]
 TINY = {"hidden_size": 128, "intermediate_size": 512}  # 4 heads of 32
@@ -88,7 +91,6 @@ def group_requests(tokenizer, version: int, prompts: range, group_size: int = 4,
         requests.append(GroupRequest(
             prompt_id=prompt_id,
             prompt_tokens=tuple(tokenizer(prompt, add_special_tokens=False).input_ids),
-            answer_tokens=tuple(tokenizer(answer, add_special_tokens=False).input_ids),
             version=version,
             seeds=tuple(sample_seed(run_seed, version, prompt_id, s) for s in range(group_size)),
         ))
@@ -154,7 +156,7 @@ def test_distinct_seeds_give_distinct_samples_and_a_seed_reproduces_its_sample(s
     sampling = SamplingParams(max_new_tokens=MAX_NEW)
     target = group_requests(tokenizer, version, range(7, 8), group_size=8)[0]
     a, b = target.seeds[:2]
-    repeated = GroupRequest(prompt_id=99, prompt_tokens=target.prompt_tokens, answer_tokens=target.answer_tokens, version=version, seeds=(a, b) * 4)  # one group size per call
+    repeated = GroupRequest(prompt_id=99, prompt_tokens=target.prompt_tokens, version=version, seeds=(a, b) * 4)  # one group size per call
 
     alone = by_prompt(pool.generate([target, repeated], sampling))
     crowded = by_prompt(pool.generate([*group_requests(tokenizer, version, range(20, 26), group_size=8), target, repeated], sampling))
@@ -242,6 +244,54 @@ def test_draws_follow_the_filtered_distribution_at_t(started):
     assert distance < 0.06, f"total variation {distance:.3f} between the draws {frequency} and the filtered distribution {expected}"
 
 
+# -- stop strings and greedy --------------------------------------------------------------------------
+def test_stop_strings_end_samples_at_the_token_that_completes_them(started):
+    """The same seeds without and with stop strings: each sample is cut after the token whose text
+    completes one (the hf reference decodes every prefix), also when that is the last token allowed."""
+    pool, model, tokenizer = started
+    version = sync(pool, model)
+    requests = group_requests(tokenizer, version, range(8))
+    sampling = SamplingParams(max_new_tokens=MAX_NEW, temperature=1.0)
+    plain = by_prompt(pool.generate(requests, sampling))
+    samples = [(g.prompt_id, k, c) for g in plain.values() for k, c in enumerate(g.completions)]
+    stop = stop_strings_for(tokenizer, [c for _, _, c in samples], MAX_NEW)
+    cut = by_prompt(pool.generate(requests, SamplingParams(max_new_tokens=MAX_NEW, temperature=1.0, stop=stop)))
+
+    ends = set()
+    for prompt_id, k, completion in samples:
+        t = first_stop(tokenizer, completion, stop)
+        got, reason, logprobs = cut[prompt_id].completions[k], cut[prompt_id].finish_reasons[k], cut[prompt_id].logprobs[k]
+        if t is None:
+            assert (got, reason) == (completion, plain[prompt_id].finish_reasons[k])
+        else:
+            assert got == completion[: t + 1] and reason == "stop", f"{stop}: {tokenizer.decode(completion)!r} gave {tokenizer.decode(got)!r}, {reason}"
+            ends.add("last" if t == MAX_NEW - 1 else "early")
+        torch.testing.assert_close(logprobs, plain[prompt_id].logprobs[k][: len(got)], atol=1e-5, rtol=0)
+    assert ends == {"last", "early"}, ends
+
+
+def test_greedy_is_the_argmax_loop_and_the_temperature_comes_back_after_it(started):
+    pool, model, tokenizer = started
+    version = sync(pool, model)
+    requests = group_requests(tokenizer, version, range(4))
+    groups = by_prompt(pool.generate(requests, SamplingParams(max_new_tokens=MAX_NEW, temperature=0.0)))
+    for request in requests:
+        tokens, logprobs = argmax_loop(model, request.prompt_tokens, MAX_NEW, {tokenizer.eos_token_id})
+        group = groups[request.prompt_id]
+        assert group.completions == [tokens] * 4, f"prompt {request.prompt_id}: {group.completions} is not the argmax {tokens}"
+        for row in group.logprobs:
+            torch.testing.assert_close(torch.tensor(row), torch.tensor(logprobs), atol=1e-4, rtol=0)
+    # the next call samples at its own temperature again (the logit scale follows it)
+    warm = list(pool.generate(requests, SamplingParams(max_new_tokens=MAX_NEW, temperature=0.7)))
+    assert max_logprob_gap(model, requests, warm, 0.7) < 1e-4
+
+
+def test_stop_strings_without_the_engines_tokenizer_are_refused():
+    pool = VLLMRolloutPool(engine_kwargs={"skip_tokenizer_init": True})
+    with pytest.raises(ValueError, match=r"sampling.stop=\('x',\) needs the engine's tokenizer.*remove skip_tokenizer_init"):
+        list(pool._generate([], SamplingParams(stop=("x",))))
+
+
 # -- weight sync --------------------------------------------------------------------------------------
 def test_a_sync_changes_the_outputs_to_the_new_models_and_back(started):
     pool, model, _ = started
@@ -250,7 +300,7 @@ def test_a_sync_changes_the_outputs_to_the_new_models_and_back(started):
     prompts = [tuple(torch.randint(3, 53, (300,), generator=generator).tolist()) for _ in range(3)]
 
     def requests(version):
-        return [GroupRequest(prompt_id=i, prompt_tokens=p, answer_tokens=(4, 5), version=version, seeds=(11, 12, 13, 14)) for i, p in enumerate(prompts)]
+        return [GroupRequest(prompt_id=i, prompt_tokens=p, version=version, seeds=(11, 12, 13, 14)) for i, p in enumerate(prompts)]
 
     sampling = SamplingParams(max_new_tokens=MAX_NEW)
     old_version = sync(pool, model)

@@ -13,6 +13,8 @@ and talks to them through SGLang's native HTTP API. One job per module:
 Generation: one ``POST /generate`` per sample, all of the iteration's samples in flight at once, each
 group handed to the trainer, unscored, the moment its G samples are finished, stamped with the
 ``meta_info.weight_version`` the server reports (the trainer refuses any version but the iteration's).
+Stop strings are SGLang's own ``stop`` (so the servers load the model directory's tokenizer);
+temperature 0 is its greedy decoding.
 
 Log-probs: SGLang's ``output_token_logprobs`` are of the full softmax of logits / T, before top-k and
 top-p (the draw is from the filtered one), as the trainer computes them; ``SGLANG_RETURN_ORIGINAL_LOGPROB``

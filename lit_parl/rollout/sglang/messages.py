@@ -3,18 +3,70 @@
 A group's G samples are G requests, each with its own ``sampling_seed`` (one request with ``n=G``
 would give every sample the same seed), ``return_logprob`` for the sampled tokens' log-probs (of the
 full softmax of logits / T, before top-k/top-p: the trainer's) and ``no_stop_trim`` so the stop token
-stays in the completion. The answers are checked against SGLang's
-documented response before anything of them reaches the trainer: an answer that does not fit raises
-``MalformedResponse`` naming the server.
+stays in the completion. Stop strings go as SGLang's ``stop``: the server keeps the tokens through
+the one that completed the string. Temperature 0 is SGLang's greedy (it samples at T = 1 with
+``top_k=1``, so the log-probs are the plain softmax's, as ours).
+
+The answers are checked against SGLang's documented response before anything of them reaches the
+trainer: an answer that does not fit raises ``MalformedResponse`` naming the server. Finish reasons are
+``{"type": "stop", "matched": <token id or stop string>}`` or ``{"type": "length", ...}``; SGLang
+checks the length limit first, so a sample whose last allowed token ends it (an end token, a stop
+string) says ``"length"``: that one is ``"stop"`` here, as in the other backends.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
 
 from lit_parl.trajectory import GroupCompletions, GroupRequest, SamplingParams
 
 
 class MalformedResponse(RuntimeError):
     """A server answered something that is not SGLang's documented response: not retried."""
+
+
+@dataclass(frozen=True)
+class Ends:
+    """What may end a sample of a call: the finish reasons of its answers are checked against it.
+
+    Args:
+        token_ids: the end token and ``sampling.stop_token_ids``.
+        strings: ``sampling.stop``.
+        max_new_tokens: the length limit.
+        decode: a completion's text (special tokens skipped); needed with ``strings``.
+    """
+
+    token_ids: frozenset[int]
+    strings: tuple[str, ...]
+    max_new_tokens: int
+    decode: Callable[[list[int]], str] | None = None
+
+    @classmethod
+    def of(cls, sampling: SamplingParams, eos_id: int, decode: Callable[[list[int]], str] | None = None) -> "Ends":
+        if sampling.stop and decode is None:
+            raise ValueError("Ends: stop strings need decode, to read completions cut at the length limit")
+        return cls(frozenset({eos_id, *sampling.stop_token_ids}), sampling.stop, sampling.max_new_tokens, decode)
+
+    def finish_reason(self, reason: dict, tokens: list[int], where: str) -> str:
+        """``"stop"`` or ``"length"`` for SGLang's ``finish_reason`` of ``tokens``; raise if it does not fit them."""
+        kind, matched = reason.get("type"), reason.get("matched")
+        if kind == "stop":
+            if isinstance(matched, bool) or not isinstance(matched, (str, int)):
+                raise MalformedResponse(f"{where}: a 'stop' finish_reason without the token or string it matched: {reason}")
+            if isinstance(matched, str) and matched not in self.strings:  # "NaN happened" is one
+                raise MalformedResponse(f"{where}: finished on the string {matched!r}, not one of sampling.stop {self.strings}")
+            if isinstance(matched, int) and matched != tokens[-1]:
+                raise MalformedResponse(f"{where}: finished on token {matched}, but the completion ends with {tokens[-1]}")
+            return "stop"
+        if kind == "length":
+            if len(tokens) != self.max_new_tokens:
+                raise MalformedResponse(f"{where}: finish_reason 'length' after {len(tokens)} tokens; the limit is {self.max_new_tokens}")
+            # SGLang checks the limit before the stop conditions: the last allowed token may have met one
+            if tokens[-1] in self.token_ids or (self.strings and any(s in self.decode(tokens) for s in self.strings)):
+                return "stop"
+            return "length"
+        raise MalformedResponse(f"{where}: unknown finish_reason {reason}")
 
 
 def sample_payload(request: GroupRequest, index: int, sampling: SamplingParams, eos_id: int) -> dict:
@@ -28,6 +80,7 @@ def sample_payload(request: GroupRequest, index: int, sampling: SamplingParams, 
         "skip_special_tokens": False,
         "no_stop_trim": True,  # keep the stop token: the trainer scores and trains on it
         "sampling_seed": request.seeds[index],
+        **({"stop": list(sampling.stop)} if sampling.stop else {}),  # needs a server with its tokenizer
     }
     return {"input_ids": list(request.prompt_tokens), "sampling_params": params, "return_logprob": True}
 
@@ -41,11 +94,12 @@ def abort_reason(answer) -> str | None:
     return None
 
 
-def parse_group(request: GroupRequest, answers: list, url: str, default_version: int | None) -> GroupCompletions:
+def parse_group(request: GroupRequest, answers: list, url: str, default_version: int | None, ends: Ends) -> GroupCompletions:
     """One group's completions from its G answers, stamped with the weight version the server reports.
 
     ``default_version`` stamps the group when the server reports none (SGLang releases without weight
-    versions); the trainer refuses a group whose version is not the iteration's.
+    versions); the trainer refuses a group whose version is not the iteration's. ``ends`` checks each
+    sample's finish reason (``Ends.finish_reason``).
     """
     G = request.group_size
     where = f"{url}/generate for prompt {request.prompt_id}"
@@ -62,8 +116,6 @@ def parse_group(request: GroupRequest, answers: list, url: str, default_version:
                 f"{where} sample {k}: meta_info lacks output_token_logprobs or finish_reason "
                 f"(is return_logprob honoured?): {str(output)[:300]}"
             )
-        if reason.get("type") not in ("stop", "length"):
-            raise MalformedResponse(f"{where} sample {k}: unknown finish_reason {reason}")
         try:
             tokens = [int(entry[1]) for entry in entries]  # entries are [logprob, token id, text]
             values = [float(entry[0]) for entry in entries]
@@ -73,7 +125,7 @@ def parse_group(request: GroupRequest, answers: list, url: str, default_version:
             raise MalformedResponse(f"{where} sample {k}: output_ids disagree with the log-prob tokens")
         completions.append(tokens)
         logprobs.append(values)
-        reasons.append(reason["type"])
+        reasons.append(ends.finish_reason(reason, tokens, f"{where} sample {k}"))
         versions.add(meta.get("weight_version", str(default_version)))
     if len(versions) != 1:
         raise MalformedResponse(f"{url}: the samples of prompt {request.prompt_id} report several weight versions {sorted(versions)}")

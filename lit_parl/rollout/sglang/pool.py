@@ -9,6 +9,7 @@ samples are in.
 from __future__ import annotations
 
 import asyncio
+import functools
 import os
 import queue
 import sys
@@ -19,9 +20,10 @@ from pathlib import Path
 
 from lit_parl.rollout.base import PoolSpec, RolloutPool, WeightBucket
 from lit_parl.rollout.sglang.client import HTTPClient, post_with_retries
-from lit_parl.rollout.sglang.messages import abort_reason, parse_group, sample_payload
+from lit_parl.rollout.sglang.messages import Ends, abort_reason, parse_group, sample_payload
 from lit_parl.rollout.sglang.servers import ServerFleet, check_server_env, router_command, server_command, stop_launched
 from lit_parl.rollout.sglang.weights import SYNC_METHODS, WeightUpdater
+from lit_parl.rollout.stop_strings import load_tokenizer
 from lit_parl.trajectory import GroupCompletions, GroupRequest, SamplingParams
 
 
@@ -129,12 +131,14 @@ class SGLangRolloutPool(RolloutPool):
         self._weights: WeightUpdater | None = None
         self._finalizer = None
         self._eos_id: int | None = None
+        self._model_dir: str | Path | None = None
+        self._tokenizer = None  # the model directory's, loaded for the first call with stop strings
 
     # -- RolloutPool -----------------------------------------------------------------------------------
     def _start(self, spec: PoolSpec) -> None:
         if self.urls is None:
             check_server_env(os.environ)  # an attached server's environment is its own (see the class docstring)
-        self._eos_id = spec.eos_id
+        self._eos_id, self._model_dir = spec.eos_id, spec.model_dir
         workdir = tempfile.mkdtemp(prefix="lit_parl_sglang_")
         self._fleet = fleet = ServerFleet(workdir)
         # stop what was launched and remove the work dir even if the owner forgets to close the pool
@@ -176,9 +180,15 @@ class SGLangRolloutPool(RolloutPool):
     def _generate(self, requests: list[GroupRequest], sampling: SamplingParams) -> Iterator[GroupCompletions]:
         for server in self._fleet.servers:
             server.busy_from = server.busy_to = None
+        decode = None
+        if sampling.stop:  # to tell a stop string met by the last allowed token (SGLang says "length")
+            if self._tokenizer is None:
+                self._tokenizer = load_tokenizer(self._model_dir, sampling.stop)
+            decode = functools.partial(self._tokenizer.decode, skip_special_tokens=True)
+        ends = Ends.of(sampling, self._eos_id, decode)
         finished: queue.Queue = queue.Queue()
         client = self._client
-        future = client.submit(self._generate_all(requests, sampling, finished))
+        future = client.submit(self._generate_all(requests, sampling, ends, finished))
         try:
             for received in range(len(requests)):
                 while True:
@@ -199,9 +209,9 @@ class SGLangRolloutPool(RolloutPool):
         finally:
             future.cancel()  # the consumer stopped early (or failed): no request keeps running for nobody
 
-    async def _generate_all(self, requests: list[GroupRequest], sampling: SamplingParams, finished: queue.Queue) -> None:
+    async def _generate_all(self, requests: list[GroupRequest], sampling: SamplingParams, ends: Ends, finished: queue.Queue) -> None:
         limit = asyncio.Semaphore(self.max_concurrent_requests)
-        tasks = [asyncio.ensure_future(self._generate_group(r, sampling, limit, finished)) for r in requests]
+        tasks = [asyncio.ensure_future(self._generate_group(r, sampling, ends, limit, finished)) for r in requests]
         try:
             await asyncio.gather(*tasks)
         except asyncio.CancelledError:
@@ -212,12 +222,14 @@ class SGLangRolloutPool(RolloutPool):
             for task in tasks:
                 task.cancel()
 
-    async def _generate_group(self, request: GroupRequest, sampling: SamplingParams, limit: asyncio.Semaphore, finished: queue.Queue) -> None:
+    async def _generate_group(
+        self, request: GroupRequest, sampling: SamplingParams, ends: Ends, limit: asyncio.Semaphore, finished: queue.Queue
+    ) -> None:
         # one request per sample: sglang_router accepts only single requests, and a retry redoes one sample
         async with limit:
             samples = await asyncio.gather(*(self._generate_sample(request, k, sampling) for k in range(request.group_size)))
         urls = ", ".join(sorted({url for url, _ in samples}))
-        finished.put(parse_group(request, [answer for _, answer in samples], urls, self.version))
+        finished.put(parse_group(request, [answer for _, answer in samples], urls, self.version, ends))
 
     async def _generate_sample(self, request: GroupRequest, index: int, sampling: SamplingParams) -> tuple[str, dict]:
         payload = sample_payload(request, index, sampling, self._eos_id)

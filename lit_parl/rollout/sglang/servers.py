@@ -69,9 +69,13 @@ def server_command(
     mem_fraction_static: float | None,
     server_args: list[str],
 ) -> list[str]:
-    """``sglang.launch_server``'s command line. No tokenizer: prompts and completions are token ids."""
+    """``sglang.launch_server``'s command line.
+
+    Prompts and completions are token ids, but the server loads the model directory's tokenizer: SGLang
+    matches stop strings in decoded text and refuses them under ``--skip-tokenizer-init``.
+    """
     command = [*launch_command, "--model-path", model_path, "--host", host, "--port", str(port)]
-    command += ["--tp-size", str(tp_size), "--skip-tokenizer-init"]
+    command += ["--tp-size", str(tp_size)]
     if mem_fraction_static is not None:
         command += ["--mem-fraction-static", str(mem_fraction_static)]
     return command + list(server_args)
