@@ -7,32 +7,43 @@ What each needs from the module, the datamodule and the other callbacks is state
 from .contracts import (
     HasPolicy,
     HasRolloutPool,
+    HasTokenizer,
     IterationGate,
     IterationHistory,
     IterationRecord,
+    SampleBatch,
+    SampleRecord,
     SavesPretrained,
     SyncTimes,
+    TokenDecoder,
     TrainIntervals,
     WeightReceiver,
 )
+from .completion_samples import CompletionSamples, load_samples
 from .hf_export import HFExport
 from .pipeline_timeline import PipelineTimeline, load_timeline
 from .run_summary import RunSummary
 from .weight_sync import WeightSync
 
 __all__ = [
+    "CompletionSamples",
     "HFExport",
     "HasPolicy",
     "HasRolloutPool",
+    "HasTokenizer",
     "IterationGate",
     "IterationHistory",
     "IterationRecord",
     "PipelineTimeline",
     "RunSummary",
+    "SampleBatch",
+    "SampleRecord",
     "SavesPretrained",
     "SyncTimes",
+    "TokenDecoder",
     "TrainIntervals",
     "WeightReceiver",
     "WeightSync",
+    "load_samples",
     "load_timeline",
 ]

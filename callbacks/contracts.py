@@ -21,6 +21,8 @@ callback                      needs                               from
 \                             ``SyncTimes`` (optional)            one other callback (``WeightSync``)
 ``HFExport``                  ``HasPolicy``, and the policy a     the LightningModule
                               ``SavesPretrained``
+``CompletionSamples``         ``HasTokenizer``                    the LightningModule
+\                             ``SampleBatch``, ``SampleRecord``   each training batch and its samples
 ============================  ==================================  =========================================
 
 The protocols are ``runtime_checkable``, but the callbacks check them with ``contract_problems``: it
@@ -52,7 +54,7 @@ from __future__ import annotations
 import inspect
 import numbers
 import typing
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, Protocol, runtime_checkable
 
 import torch
@@ -60,11 +62,15 @@ import torch
 __all__ = [
     "HasPolicy",
     "HasRolloutPool",
+    "HasTokenizer",
     "IterationGate",
     "IterationHistory",
     "IterationRecord",
+    "SampleBatch",
+    "SampleRecord",
     "SavesPretrained",
     "SyncTimes",
+    "TokenDecoder",
     "TrainIntervals",
     "WeightReceiver",
     "contract_problems",
@@ -155,6 +161,48 @@ class SyncTimes(Protocol):
     """A callback that times each weight sync, one interval per iteration (``WeightSync``)."""
 
     sync_intervals: Sequence[Interval]
+
+
+@runtime_checkable
+class TokenDecoder(Protocol):
+    """Turns token ids back into text: any Hugging Face tokenizer (``PreTrainedTokenizerBase``)."""
+
+    def batch_decode(self, sequences: Any, **kwargs: Any) -> list[str]: ...
+
+
+@runtime_checkable
+class HasTokenizer(Protocol):
+    """A LightningModule that keeps the tokenizer of its policy as ``tokenizer``."""
+
+    tokenizer: TokenDecoder
+
+
+@runtime_checkable
+class SampleRecord(Protocol):
+    """One trained sample, as ``lit_parl.trajectory.Trajectory`` records it."""
+
+    prompt_id: int
+    sample_index: int
+    version: int  # the policy version that generated it
+    prompt_tokens: Sequence[int]
+    completion_tokens: Sequence[int]
+    reward: float  # the total: the weighted sum of the reward components
+    advantage: float
+    truncated: bool  # cut at the length limit
+    correct: bool
+    reward_components: Mapping[str, float]  # each reward's value (failed calls left out)
+    reward_failures: Sequence[str]  # the rewards whose call failed on this sample
+
+
+@runtime_checkable
+class SampleBatch(Protocol):
+    """A training batch that carries the samples it was built from (``lit_parl.trajectory.MicroBatch``).
+
+    A batch may also have ``pass_index``: 0 on the first pass over an iteration's samples, more when later
+    passes train on the same samples again (none: every batch is a first pass).
+    """
+
+    trajectories: Sequence[SampleRecord]
 
 
 def _members(protocol: type) -> dict[str, bool]:
