@@ -20,7 +20,9 @@ def _datamodule(pool, max_new_tokens: int) -> RolloutDataModule:
 def test_a_completion_longer_than_the_context_is_refused_before_the_pool_starts():
     pool = HFRolloutPool()
     context = tiny_qwen2()[0].config.max_position_embeddings
-    _datamodule(pool, max_new_tokens=context - 1)  # one prompt token plus the completion: fits
+    _datamodule(pool, max_new_tokens=context - 5)  # the longest digit prompt (5 tokens) plus the completion: fits
+    with pytest.raises(ValueError, match=r"row \d+: the prompt has 5 tokens, more than the limit of 1"):
+        _datamodule(pool, max_new_tokens=context - 1)  # room for one prompt token: each prompt is checked, by row
     with pytest.raises(ValueError, match=rf"sampling.max_new_tokens={context} does not fit this model's context of {context} tokens"):
         _datamodule(pool, max_new_tokens=context)
     assert not pool.health().started

@@ -68,13 +68,13 @@ def test_the_next_iterations_prompts_are_tokenized_ahead_and_equal_on_demand_tok
     assert _wait_for_no_prefetch_thread() == []  # it tokenizes after handing out its last micro-batch
     # the prefetch thread of the last iteration tokenized the prompts the next iteration would draw
     schedule = data.schedule
-    assert sorted(schedule._tokenized) == list(range(schedule.cursor, schedule.cursor + data.shape.prompts))
+    assert sorted(schedule._cache) == list(range(schedule.cursor, schedule.cursor + data.shape.prompts))
     ahead = schedule.requests(list(range(schedule.cursor, schedule.cursor + 3)), version=5)
-    assert not set(ahead) & set(schedule._tokenized), "requests() must consume what it takes from the cache"
+    assert not set(ahead) & set(schedule._cache), "requests() must consume what it takes from the cache"
     _, fresh = make_components()
     assert fresh.schedule.requests(list(ahead), version=5) == ahead
     data.load_state_dict(data.state_dict())
-    assert schedule._tokenized == {}, "a resume may move the cursor: nothing tokenized for the old one may linger"
+    assert schedule._cache == {}, "a resume may move the cursor: nothing tokenized for the old one may linger"
 
 
 def test_no_prefetch_thread_outlives_a_fit():

@@ -23,7 +23,7 @@ from lit_parl.prompt_files import DatasetPrompts
 from lit_parl.rewards import Reward
 from lit_parl.rewards.math_answers import gsm8k_reward
 from lit_parl.rollout import HFRolloutPool
-from lit_parl.tasks import CopyTask
+from lit_parl.tasks import CopyTask, positional_reward
 from lit_parl.trajectory import SamplingParams
 
 from conftest import fit, policy_state
@@ -68,7 +68,7 @@ def test_one_iteration_of_grpo_on_the_real_model_with_its_real_tokenizer(smollm2
     objective = GRPOObjective(beta=0.04)  # the tri-model: the reference forward too
     module = GRPOModule(model, objective, shape, tokenizer=tokenizer, optimizer=functools.partial(torch.optim.SGD, lr=1e-3))
     sampling = SamplingParams(max_new_tokens=4, stop_token_ids=())
-    data = RolloutDataModule(CopyTask(seed=0), HFRolloutPool(num_workers=1, threads_per_worker=1, prompts_per_request=2, colocated_threads=1),
+    data = RolloutDataModule(CopyTask(seed=0), [positional_reward], HFRolloutPool(num_workers=1, threads_per_worker=1, prompts_per_request=2, colocated_threads=1),
                              tokenizer, shape, objective, initial_model=model, sampling=sampling, trainer_threads=1, gate_timeout_s=120)
     before = policy_state(module)
     trainer = fit(module, data, iterations=1)
