@@ -27,8 +27,8 @@ from lightning.pytorch.accelerators import CPUAccelerator
 from torch.utils.data import DataLoader, IterableDataset
 from transformers import AutoConfig, PreTrainedModel, PreTrainedTokenizerBase
 
-from lit_parl.data.acceptor import Advantages, GroupAcceptor
 from lit_parl.chat import PromptFormat
+from lit_parl.data.acceptor import Advantages, GroupAcceptor
 from lit_parl.data.batcher import IterationBatcher
 from lit_parl.data.evaluation import EvalSettings, Evaluator
 from lit_parl.data.gate import OffPolicyError, VersionGate

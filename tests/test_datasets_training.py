@@ -101,3 +101,22 @@ def test_resuming_with_other_data_stops(tmp_path):
     module, data = components(tmp_path / "other.jsonl")
     with pytest.raises(ValueError, match="checkpoint's data had 6 usable prompt rows, this run's has 5"):
         fit(module, data, 2, ckpt_path=str(tmp_path / "ckpt" / "last.ckpt"), root=tmp_path)
+
+
+def test_dropped_prompts_are_counted_in_the_log(tmp_path):
+    from lightning.pytorch.loggers import CSVLogger
+
+    rows = ROWS + [{"prompt": "1" * 40 + "=", "answer": "1", "level": 0}]  # 41 tokens
+    (tmp_path / "train.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    with pytest.warns(UserWarning, match=r"dropped 1 of 7 prompts longer than 30 tokens \(rows 6\)"):
+        module, data = make_components(
+            pool=InProcessPool(), prompts=4, group_size=2, micro_batch_size=8,
+            task=DatasetPrompts(path=str(tmp_path / "train.jsonl"), cache_dir=str(tmp_path / "cache")), rewards=[Reward(exact_text)],
+            datamodule_kwargs={"prompt_format": {"max_prompt_tokens": 30, "overlong": "drop"}},
+        )
+    logger = CSVLogger(tmp_path, name="log", version=0)
+    lightning.Trainer(accelerator="cpu", max_epochs=1, callbacks=[WeightSync()], logger=logger, enable_checkpointing=False,
+                      enable_progress_bar=False, enable_model_summary=False).fit(module, datamodule=data)
+    header, *lines = (tmp_path / "log" / "version_0" / "metrics.csv").read_text().splitlines()
+    column = header.split(",").index("data/dropped_prompts")
+    assert [line.split(",")[column] for line in lines if line.split(",")[column]] == ["1.0"]

@@ -190,3 +190,15 @@ def test_async_rewards_work_where_the_caller_already_runs_an_event_loop():
 def test_a_component_named_failures_is_refused():
     with pytest.raises(TypeError, match="named 'failures'"):
         score_group([Reward(lambda completion: {"failures": 1.0}, name="parts")], SAMPLES, ScoringPolicy(), 0)
+
+
+def test_a_reward_config_that_cannot_be_imported_names_it(tmp_path):
+    from hydra import compose, initialize_config_module
+
+    from lit_parl.cli import build
+
+    overrides = ["+reward.mine._target_=lit_parl.rewards.Reward", "+reward.mine.fn=no_such_module.exact", f"run_dir={tmp_path}"]
+    with initialize_config_module(config_module="lit_parl.conf", version_base="1.3"):
+        cfg = compose(config_name="config", overrides=overrides)
+    with pytest.raises(Exception, match=r"cannot import module 'no_such_module'"):
+        build(cfg)
