@@ -36,9 +36,10 @@ def main(path: str) -> None:
         ratios.append(b["completions_per_s"] / a["completions_per_s"])
         rewards = f"{a['reward_first']:.6f} / {a['reward_last10']:.6f} " + ("(identical)" if same else f"vs {b['reward_first']:.6f} / {b['reward_last10']:.6f}")
         print(f"| {seed} | {rewards} | {a['completions_per_s']:.0f} | {b['completions_per_s']:.0f} | {ratios[-1]:.3f} |")
-    for key in ("wall_s", "gen_busy_s", "train_busy_s"):
-        medians = [statistics.median(s[key] for s in side.values()) for side in (first, second)]
-        print(f"median {key}: {medians[0]:.1f} -> {medians[1]:.1f}")
+    for key in ("wall_s", "gen_busy_s", "train_busy_s", "cpu_s"):
+        if all(key in s for side in (first, second) for s in side.values()):
+            medians = [statistics.median(s[key] for s in side.values()) for side in (first, second)]
+            print(f"median {key}: {medians[0]:.1f} -> {medians[1]:.1f} ({medians[1] / medians[0]:.3f}x)")
     print(f"median of the per-seed ratios: {statistics.median(ratios):.3f}")
 
 

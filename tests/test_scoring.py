@@ -74,7 +74,7 @@ def test_with_threads_a_slow_reward_does_not_hold_up_reading_the_pool():
 def test_a_failing_reward_is_raised_in_the_consumer():
     for workers in (0, 2):
         scorer = GroupScorer([failing], TOKENIZER, workers=workers)
-        with pytest.raises(RewardError, match="(?s)reward 'failing' raised ZeroDivisionError.*prompt 0, sample 0.*the verifier failed"):
+        with pytest.raises(RewardError, match=r"(?s)reward 'failing' raised ZeroDivisionError.*on prompt \d+, sample 0.*the verifier failed"):
             list(scorer.stream(iter(_completions(3)), _drawn(3)))
         scorer.close()
 
