@@ -1,4 +1,5 @@
-"""HFExport: save the trained policy in Hugging Face format (safetensors, config, tokenizer) at the end of fit."""
+"""HFExport: save the trained policy in Hugging Face format (safetensors, config, tokenizer) at the end of fit,
+and every N iterations."""
 
 from __future__ import annotations
 
@@ -6,23 +7,30 @@ from pathlib import Path
 
 from lightning.pytorch import Callback, LightningModule, Trainer
 
+import torch
+
 from .contracts import HasPolicy, SavesPretrained, contract_problems, require
+from .full_tensors import full_tensors, is_sharded
 
 
 class HFExport(Callback):
     r"""Save ``pl_module.policy`` with ``save_pretrained`` when fit ends, and the module's tokenizer if it has one.
 
     The directory loads with ``transformers.AutoModelForCausalLM.from_pretrained(dirpath)`` (and
-    ``AutoTokenizer.from_pretrained`` when a tokenizer was saved). Only global rank 0 writes.
+    ``AutoTokenizer.from_pretrained`` when a tokenizer was saved). With ``every_n_iterations`` the policy is
+    also saved after every n-th epoch, to ``<dirpath>/iteration-<k>`` (k epochs trained). Only global rank 0
+    writes; under FSDP2 every rank first takes part in gathering the full weights, one tensor at a time into
+    CPU memory (``lit_parl.callbacks.full_tensors``).
 
     Needs a :class:`~lit_parl.callbacks.HasPolicy` module whose ``policy`` has ``save_pretrained``
     (:class:`~lit_parl.callbacks.SavesPretrained`, any ``transformers.PreTrainedModel``). A ``tokenizer``
     attribute is optional; when present (not ``None``) it must have ``save_pretrained`` too.
 
-    Override ``export(pl_module, directory)`` to save differently, e.g. to gather a sharded policy first.
+    Override ``export(pl_module, directory, state_dict)`` to save differently.
 
     Args:
         dirpath: the export directory. ``None``: ``<trainer.default_root_dir>/policy``.
+        every_n_iterations: also export after every n-th epoch (``0``: only at the end).
 
     Raises:
         TypeError: at fit start, when the LightningModule has no ``policy`` module, the policy no
@@ -46,9 +54,12 @@ class HFExport(Callback):
         'Qwen2ForCausalLM'
     """
 
-    def __init__(self, dirpath: str | None = None) -> None:
+    def __init__(self, dirpath: str | None = None, every_n_iterations: int = 0) -> None:
+        if every_n_iterations < 0:
+            raise ValueError(f"HFExport(every_n_iterations={every_n_iterations}) must be >= 0 (0: only when fit ends)")
         self.dirpath = dirpath
-        self.saved_to: Path | None = None  # the directory written, once fit ended
+        self.every_n_iterations = every_n_iterations
+        self.saved_to: Path | None = None  # the directory written last
 
     def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         # checked now, not at the end: a run of hours must not end in an export that cannot happen
@@ -63,16 +74,42 @@ class HFExport(Callback):
                     "has no `save_pretrained`. Use a transformers tokenizer, set `tokenizer = None`, or override `export`."
                 )
 
-    def export(self, pl_module: LightningModule, directory: Path) -> None:
-        """Write the policy (safetensors) and the tokenizer, if any, into ``directory``."""
-        pl_module.policy.save_pretrained(directory)  # safetensors: the default of transformers >= 4.35
+    def export(self, pl_module: LightningModule, directory: Path, state_dict: dict[str, torch.Tensor] | None = None) -> None:
+        """Write the policy (safetensors) and the tokenizer, if any, into ``directory`` (on global rank 0).
+
+        ``state_dict``: the policy's full weights when a strategy shards them (gathered on every rank); ``None``: the
+        policy's own.
+        """
+        pl_module.policy.save_pretrained(directory, state_dict=state_dict)  # safetensors: the default of transformers >= 4.35
         tokenizer = getattr(pl_module, "tokenizer", None)
         if tokenizer is not None:
             tokenizer.save_pretrained(directory)
 
+    def on_train_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        done = trainer.current_epoch + 1
+        if self.every_n_iterations and done % self.every_n_iterations == 0:
+            self._export(trainer, pl_module, self._directory(trainer) / f"iteration-{done}")
+
     def on_fit_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._export(trainer, pl_module, self._directory(trainer))
+
+    def _directory(self, trainer: Trainer) -> Path:
+        return Path(self.dirpath) if self.dirpath else Path(trainer.default_root_dir) / "policy"
+
+    def _export(self, trainer: Trainer, pl_module: LightningModule, directory: Path) -> None:
+        state_dict = None
+        if type(self).export is HFExport.export and is_sharded(pl_module.policy):
+            # every rank: each gather is a collective; kept in CPU memory, one tensor at a time on the device
+            full = ((name, tensor.cpu()) for name, tensor in full_tensors(pl_module.policy))
+            if trainer.is_global_zero:
+                state_dict = dict(full)
+            else:
+                for _ in full:  # the other ranks take part in each gather and keep nothing
+                    pass
         if not trainer.is_global_zero:
             return
-        directory = Path(self.dirpath) if self.dirpath else Path(trainer.default_root_dir) / "policy"
-        self.export(pl_module, directory)
+        if state_dict is None:  # an override may take two arguments only
+            self.export(pl_module, directory)
+        else:
+            self.export(pl_module, directory, state_dict)
         self.saved_to = directory

@@ -8,6 +8,7 @@ from collections import deque
 from pathlib import Path
 from typing import Any
 
+import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.utilities import rank_zero_warn
 
@@ -103,19 +104,25 @@ class RunSummary(Callback):
         self._last_record = record
         wall = max(time.monotonic() - self._epoch_start, 1e-9)
         train_busy = sum(end - start for start, end in pl_module.train_intervals)
-        reward = float(record.reward_mean)  # the iteration's rollouts, before any reward shaping
+        # Under several ranks each record holds its rank's share: counts are summed over the ranks, busy times
+        # averaged (the ranks generate and train side by side). One reduction; on one device it changes nothing.
+        local = torch.tensor([record.completions, record.completion_tokens, record.reward_sum, record.dropped_groups,
+                              record.gen_busy_s, train_busy], dtype=torch.float64, device=pl_module.device)
+        completions, tokens, reward_sum, dropped, gen_busy, train_busy = trainer.strategy.reduce(local, reduce_op="sum").tolist()
+        gen_busy, train_busy = gen_busy / trainer.world_size, train_busy / trainer.world_size
+        reward = reward_sum / max(completions, 1)  # the iteration's rollouts, before any reward shaping
         self.reward_first = reward if self.iterations == 0 else self.reward_first
         self.rewards.append(reward)
         self.iterations += 1
-        self.completions += record.completions
-        self.tokens += record.completion_tokens
-        self.gen_busy_s += record.gen_busy_s
+        self.completions += int(completions)
+        self.tokens += int(tokens)
+        self.gen_busy_s += gen_busy
         self.train_busy_s += train_busy
-        pl_module.log("completions_per_s", record.completions / wall, prog_bar=True, on_epoch=True)
-        pl_module.log("tokens_per_s", record.completion_tokens / wall, on_epoch=True)
-        pl_module.log("gen_busy_s", float(record.gen_busy_s), on_epoch=True)
-        pl_module.log("train_busy_s", float(train_busy), on_epoch=True)
-        pl_module.log("dropped_groups", float(record.dropped_groups), on_epoch=True)
+        pl_module.log("completions_per_s", completions / wall, prog_bar=True, on_epoch=True)
+        pl_module.log("tokens_per_s", tokens / wall, on_epoch=True)
+        pl_module.log("gen_busy_s", gen_busy, on_epoch=True)
+        pl_module.log("train_busy_s", train_busy, on_epoch=True)
+        pl_module.log("dropped_groups", dropped, on_epoch=True)
 
     def make_summary(self, trainer: Trainer) -> dict[str, Any]:
         """The summary of the run so far (what ``summary.json`` holds)."""

@@ -9,6 +9,7 @@ from collections.abc import Iterable, Iterator
 import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
 
+from .full_tensors import full_tensors
 from .contracts import HasPolicy, HasRolloutPool, IterationGate, WeightBucket, WeightReceiver, contract_problems, require
 
 SYNCS_KEPT = 64  # sync intervals kept for readers such as PipelineTimeline (one per iteration)
@@ -16,6 +17,10 @@ SYNCS_KEPT = 64  # sync intervals kept for readers such as PipelineTimeline (one
 
 class WeightSync(Callback):
     r"""Push the policy to a weight receiver before every epoch, as version ``trainer.current_epoch``.
+
+    A fit resumed from a checkpoint written inside an epoch (``ModelCheckpoint(every_n_train_steps=k)``)
+    starts without ``on_train_epoch_start``: when the datamodule says so (``resumes_mid_iteration``), the
+    epoch's starting weights (``snapshot_tensors``) are pushed at ``on_train_start`` instead.
 
     Epoch k (one RL iteration) pushes θ_k, the weights after k epochs, as version k: ``receiver.sync_weights``
     returns once every worker holds them. Only then, if the datamodule has an ``open_iteration(version)``
@@ -29,9 +34,13 @@ class WeightSync(Callback):
 
     Override points:
 
-    - ``policy_tensors(trainer, pl_module)``: the named full tensors to send. The default sends
-      ``pl_module.policy.named_parameters()``; override it for a policy kept elsewhere, or for sharded
-      strategies (FSDP, DeepSpeed) that must gather each full tensor (lazily, as a generator).
+    - ``policy_tensors(trainer, pl_module)``: the named full tensors to send. The default reads
+      ``pl_module.policy.named_parameters()`` and gathers each one that FSDP2 shards (a DTensor) as the
+      receiver takes it (``lit_parl.callbacks.full_tensors``); override it for a policy kept elsewhere or
+      sharded another way.
+
+    Under several ranks every rank runs the push: the gathers are collectives. Each rank pushes to its
+    own receiver (an embedded pool is one per rank, ``RolloutPool.shared_across_ranks = False``).
     - ``buckets(named_tensors)``: how the tensors are grouped.
 
     Args:
@@ -78,11 +87,23 @@ class WeightSync(Callback):
         self.sync_intervals: deque[tuple[float, float]] = deque(maxlen=SYNCS_KEPT)
         self._receiver: WeightReceiver | None = None
         self._gate: IterationGate | None = None
+        self._pushed_version: int | None = None
 
     def policy_tensors(self, trainer: Trainer, pl_module: LightningModule) -> Iterable[tuple[str, torch.Tensor]]:
         """The named full tensors the receiver loads. Override for other module layouts or sharded strategies."""
-        # detached: the receiver copies values, it must not hold the autograd graph's leaves
-        return ((name, parameter.detach()) for name, parameter in pl_module.policy.named_parameters())
+        return full_tensors(pl_module.policy)
+
+    def snapshot_tensors(self, trainer: Trainer, pl_module: LightningModule) -> Iterable[tuple[str, torch.Tensor]]:
+        """The iteration's starting weights θ_k, pushed when a fit resumes inside an iteration (the policy has
+        moved on since). The default reads ``pl_module.old``, the exact snapshot ``lit_parl.GRPOModule`` keeps."""
+        snapshot = getattr(pl_module, "old", None)
+        if not isinstance(snapshot, torch.nn.Module):
+            raise TypeError(
+                f"the fit resumes inside iteration {trainer.current_epoch}, whose rollouts come from the weights at its start, "
+                f"but {type(pl_module).__name__} keeps no snapshot of them as `old`: resume from a checkpoint written at an "
+                "iteration's end (ModelCheckpoint(every_n_epochs=k)), or override WeightSync.snapshot_tensors"
+            )
+        return full_tensors(snapshot)
 
     def buckets(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> Iterator[WeightBucket]:
         """Group ``named_tensors``, in order, into lists of at most ``bucket_bytes`` (one tensor may exceed it)."""
@@ -120,13 +141,27 @@ class WeightSync(Callback):
             require(pl_module, HasPolicy, owner="WeightSync", role="the LightningModule",
                     fix="Keep the model whose weights the pool needs as `self.policy` (a torch.nn.Module), or "
                         "subclass WeightSync and override `policy_tensors`.")
+        self._pushed_version = None
         # the gate is optional: without one, the datamodule does not wait for the weights
         self._gate = datamodule if datamodule is not None and not contract_problems(datamodule, IterationGate) else None
 
+    def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        # A resumed fit pushes its first iteration's weights here: Lightning skips on_train_epoch_start when the
+        # checkpoint was written inside an epoch, or after an epoch's last batch but before its end
+        datamodule = trainer.datamodule
+        if getattr(datamodule, "restored", False):
+            mid_iteration = getattr(datamodule, "resumes_mid_iteration", False)
+            tensors = self.snapshot_tensors(trainer, pl_module) if mid_iteration else self.policy_tensors(trainer, pl_module)
+            self._push(tensors, trainer.current_epoch)
+
     def on_train_epoch_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        version = trainer.current_epoch
+        if self._pushed_version != trainer.current_epoch:  # not already pushed by a resume
+            self._push(self.policy_tensors(trainer, pl_module), trainer.current_epoch)
+
+    def _push(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
         start = time.monotonic()
-        self._receiver.sync_weights(self.buckets(self.policy_tensors(trainer, pl_module)), version)
+        self._receiver.sync_weights(self.buckets(named_tensors), version)
         if self._gate is not None:
             self._gate.open_iteration(version)
+        self._pushed_version = version
         self.sync_intervals.append((start, time.monotonic()))

@@ -34,6 +34,7 @@ from lit_parl.data.evaluation import EvalSettings, Evaluator
 from lit_parl.data.gate import OffPolicyError, VersionGate
 from lit_parl.data.model_dir import InitialModelDir
 from lit_parl.data.prefetch import prefetched
+from lit_parl.data.ranks import RankShare
 from lit_parl.data.schedule import PromptSchedule
 from lit_parl.data.scoring import GroupScorer
 from lit_parl.data.shape import IterationShape
@@ -60,7 +61,7 @@ class _IterationStream(IterableDataset):
         self.datamodule = datamodule
 
     def __len__(self) -> int:
-        return self.datamodule.shape.micro_batches
+        return self.datamodule.share.local.micro_batches
 
     def __iter__(self):
         return self.datamodule._stream_iteration()
@@ -172,7 +173,11 @@ class RolloutDataModule(LightningDataModule):
             eval_schedule = PromptSchedule(held_out, tokenizer, 1, f"{seed}/eval", self.prompt_format, token_limit)
             self.evaluator = Evaluator(self.evaluation, eval_schedule, self.scorer, correct_reward, shape.prompts * shape.group_size)
             self.val_dataloader = self._eval_dataloader  # Lightning runs its validation loop only when this exists
+        self.share = RankShare(shape)  # this rank's part of each iteration; set for the strategy's ranks in setup
+        self._data_group = None  # a process group of the data path's own, under W ranks with dynamic sampling
         self.iterations_done = 0
+        self._resume_trained = 0  # micro-batches of the current iteration a mid-iteration checkpoint had trained
+        self.restored = False  # loaded from a checkpoint: the first iteration's weights are pushed at fit start
         self.history: deque[IterationStats] = deque(maxlen=HISTORY_KEPT)  # the last few: a long run holds the same
         self._use_prefetch = bool(prefetch)
         self._model_dir = InitialModelDir(initial_model, tokenizer)  # what the pool's engines start from
@@ -184,6 +189,8 @@ class RolloutDataModule(LightningDataModule):
             return
         on_cpu = self.trainer is None or isinstance(self.trainer.accelerator, CPUAccelerator)
         self._use_prefetch = (not on_cpu) if self.prefetch is None else self.prefetch
+        if self.trainer is not None and self.trainer.world_size > 1:
+            self._setup_ranks(self.trainer.world_size, self.trainer.global_rank)
         colocated = self.mode == "sync"
         if self.trainer_threads is not None:
             torch.set_num_threads(self.trainer_threads)
@@ -195,6 +202,28 @@ class RolloutDataModule(LightningDataModule):
         if not self.pool.health().started:
             eos, pad = self.tokenizer.eos_token_id, self.tokenizer.pad_token_id
             self.pool.start(PoolSpec(self._model_dir.path(), eos, pad, colocated))
+
+    def _setup_ranks(self, world: int, rank: int) -> None:
+        """Each rank trains its ``RankShare`` of every iteration, from a pool of its own (docs/design.md, "Ranks")."""
+        self.share = RankShare(self.shape, world, rank)
+        if self.pool.shared_across_ranks:
+            raise NotImplementedError(
+                f"{type(self.pool).__name__} is one pool for all ranks, which a run of {world} ranks does not drive yet: "
+                "use an embedded pool (pool=hf or pool=vllm: each rank starts its own) or train on one device"
+            )
+        if getattr(self.objective, "dynamic_sampling", False):
+            # refill rounds are numbered over every rank's open slots: the ranks exchange them on a group of the
+            # data path's own, from the prefetch thread, so a rank that waits for the others' round never
+            # blocks its training step's gradient reduction (which the others may be waiting on)
+            self._data_group = torch.distributed.new_group(backend="gloo")
+            self._use_prefetch = True
+
+    def _open_slots_everywhere(self, mine: list[int]) -> list[int]:
+        if self._data_group is None:
+            return sorted(mine)
+        gathered: list[list[int] | None] = [None] * self.share.world
+        torch.distributed.all_gather_object(gathered, mine, group=self._data_group)
+        return sorted(slot for slots in gathered for slot in slots)
 
     def teardown(self, stage: str) -> None:
         self._release()
@@ -220,12 +249,36 @@ class RolloutDataModule(LightningDataModule):
         return DataLoader(_EvalStream(self), batch_size=None, num_workers=0, collate_fn=lambda batch: batch)
 
     def state_dict(self) -> dict:
-        return {**self.schedule.state_dict(), **self.gate.state_dict(), "iterations_done": self.iterations_done}
+        return {**self.schedule.state_dict(), **self.gate.state_dict(), "iterations_done": self.iterations_done,
+                "trained_in_iteration": self._trained_in_iteration()}
 
     def load_state_dict(self, state_dict: dict) -> None:
         self.schedule.load_state_dict(state_dict)
         self.gate.load_state_dict(state_dict)
         self.iterations_done = state_dict["iterations_done"]
+        trained = state_dict.get("trained_in_iteration", 0)
+        per_step = self.share.local.micro_batches_per_pass // self.share.local.mini_batches
+        if trained % per_step:
+            raise ValueError(
+                f"this checkpoint was written between two micro-batches of one optimizer step ({trained} of iteration "
+                f"{self.iterations_done}'s micro-batches trained, {per_step} per step): the gradient they accumulated is not in it, "
+                "so the run cannot resume exactly. Resume from a checkpoint written at an optimizer step or an iteration's end: "
+                "ModelCheckpoint(every_n_train_steps=k) or ModelCheckpoint(every_n_epochs=k)."
+            )
+        self._resume_trained = trained
+        self.restored = True
+
+    def _trained_in_iteration(self) -> int:
+        """How many of the unfinished iteration's micro-batches Lightning has trained (0 between iterations)."""
+        trainer = self.trainer
+        if trainer is None or self.iterations_done != trainer.current_epoch:
+            return 0  # no fit, or the iteration is booked as done (its last micro-batch has left)
+        return trainer.fit_loop.epoch_loop.batch_progress.current.processed
+
+    @property
+    def resumes_mid_iteration(self) -> bool:
+        """Restored from a checkpoint written inside an iteration: its weights are θ_k (the module's ``old``), not the policy."""
+        return self._resume_trained > 0
 
     # -- the version gate ------------------------------------------------------------------------------
     def open_iteration(self, version: int) -> None:
@@ -237,10 +290,10 @@ class RolloutDataModule(LightningDataModule):
         correct = self.correct_reward
         acceptor = GroupAcceptor(self.objective, self.shape.group_size, self.sampling.max_new_tokens, lambda reward: reward >= correct)
         return IterationBatcher(
-            self.shape, self.schedule, self.pool, self.scorer, acceptor, self.sampling, self.packing, self.tokenizer.pad_token_id,
+            self.share, self.schedule, self.pool, self.scorer, acceptor, self.sampling, self.packing, self.tokenizer.pad_token_id,
             materialize=self.mode == "sync", dynamic_sampling=bool(getattr(self.objective, "dynamic_sampling", False)),
             max_sampling_rounds=self.max_sampling_rounds,
-            logprob_tolerance=self.resolved_logprob_tolerance(),
+            logprob_tolerance=self.resolved_logprob_tolerance(), open_slots_everywhere=self._open_slots_everywhere,
         )
 
     def resolved_logprob_tolerance(self) -> float | None:
@@ -269,12 +322,17 @@ class RolloutDataModule(LightningDataModule):
         batches = self.batcher().micro_batches(version, stats)
         if self._use_prefetch:
             batches = prefetched(batches, f"lit_parl-prefetch-{self.iterations_done}")
-        total, count = self.shape.micro_batches, 0
+        total, count = self.share.local.micro_batches, 0
+        # resumed inside an iteration: the pool generates it again from θ_k with the same seeds (the same
+        # samples), and the micro-batches trained before the checkpoint are left out
+        skip, self._resume_trained = self._resume_trained, 0
         try:
             for batch in batches:
                 count += 1
                 if count == total:
                     self._finish_iteration(stats)
+                if count <= skip:
+                    continue
                 yield batch
                 if count == total:
                     return
@@ -287,6 +345,8 @@ class RolloutDataModule(LightningDataModule):
         trainer = self.trainer
         if self.evaluator is None or trainer is None or trainer.sanity_checking or not self.history:
             return {}  # before the first iteration the pool holds no policy yet
+        if trainer.global_rank != 0:
+            return {}  # under W ranks rank 0 evaluates, through its own pool, holding the same θ_k as every rank's
         iteration = trainer.current_epoch
         if self.iterations_done != iteration + 1:
             return {}  # Lightning validates mid-epoch when a fit is stopped (max_time): this iteration is unfinished

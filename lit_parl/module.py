@@ -45,8 +45,10 @@ from lit_parl.data.gate import OffPolicyError
 from lit_parl.guards import NonFiniteGuard, logprob_mismatch, off_policy_problem, worst_group_mismatch
 from lit_parl.kernels.attention import resolve_backend
 from lit_parl.kernels.forward import check_supported, completion_logprobs
+from lit_parl.lean_checkpoint import fingerprint, leave_out, put_back
 from lit_parl.limits import check_memory, context_length
 from lit_parl.objectives import GRPOObjective, kl_estimate
+from lit_parl.sharding import check_strategy, shard_for_logprobs
 from lit_parl.trajectory import MicroBatch
 
 
@@ -132,6 +134,11 @@ class GRPOModule(LightningModule):
         self._off_policy: str | None = None  # what the on-policy check found in this optimizer step's micro-batches
         self.reference = _frozen_copy(policy) if objective.needs_reference else None
         self.old = _frozen_copy(policy) if shape.optimizer_steps > 1 else None
+        # checkpoints leave out what the module rebuilds: θ_0 (from the initial model, checked against this) and,
+        # between iterations, θ_k (the policy at the iteration's start)
+        self._reference_fingerprint = fingerprint(self.reference) if self.reference is not None else None
+        self._steps_in_iteration = 0  # optimizer steps taken in the current iteration (checkpointed)
+        self._snapshot_at_start = False  # restored between iterations: θ_k is taken again when training starts
         self._normaliser = 0.0
         self._loss_sum = 0.0
         self.train_intervals: list[tuple[float, float]] = []  # (start, end) monotonic, this iteration
@@ -143,8 +150,23 @@ class GRPOModule(LightningModule):
         # names come from the data and a step must not wait on the device for them
         self._reward_sums: dict[str, list[float]] = {}
         self._reward_failures: dict[str, int] = {}
+        # FSDP2: the module that computes each model's log-probs (its root unit); kept out of the module tree
+        # (and the state dict), which holds the models themselves
+        self.__dict__["_sharded"] = {}
 
     # -- Lightning hooks -------------------------------------------------------------------------------
+    def configure_model(self) -> None:
+        """Under ``ModelParallelStrategy`` (FSDP2): shard the policy, θ_k and the reference alike, over the data-parallel mesh."""
+        if self._device_mesh is None or self._sharded:
+            return  # no mesh: DDP, FSDP or DeepSpeed wrap the module themselves (or one device)
+        mesh = self._device_mesh
+        if "tensor_parallel" in mesh.mesh_dim_names and mesh["tensor_parallel"].size() > 1:
+            raise ValueError("lit_parl shards with FSDP2 only: give ModelParallelStrategy(tensor_parallel_size=1, data_parallel_size=<devices>)")
+        mesh = mesh["data_parallel"] if "data_parallel" in mesh.mesh_dim_names else mesh
+        for model in (self.policy, self.old, self.reference):
+            if model is not None:
+                self._sharded[id(model)] = shard_for_logprobs(model, mesh, frozen=model is not self.policy)
+
     def configure_optimizers(self):
         optimizer = self.optimizer_factory(self.policy.parameters())
         epochs = self.trainer.max_epochs if self.trainer is not None else None
@@ -163,10 +185,12 @@ class GRPOModule(LightningModule):
                 "Use precision='bf16-mixed' or '32-true'."
             )
         self._backend = resolve_backend(self.attention_backend, self.device)
+        check_strategy(self.trainer.strategy)
 
     def on_train_epoch_start(self) -> None:
         if self.old is not None:  # θ_k exactly: the weights the pool generates this iteration with
             self.old.load_state_dict(self.policy.state_dict())
+        self._steps_in_iteration = 0
         self._normaliser, self._loss_sum = 0.0, 0.0
         self.train_intervals = []
 
@@ -181,8 +205,8 @@ class GRPOModule(LightningModule):
         self.log("nonfinite/skipped_steps", float(self.guard.skipped_steps))
         for name, (total, count) in self._reward_sums.items():  # every rank logs the same names: they come from the rewards
             self.log(f"reward/{name}", total / max(count, 1), sync_dist=True)
-        for name, failures in self._reward_failures.items():  # only where a call failed: a rank without one logs nothing
-            self.log(f"reward/{name}/failures", float(failures))
+        for name in self._reward_sums:  # summed over ranks: every rank logs every reward's count, 0 included
+            self.log(f"reward/{name}/failures", float(self._reward_failures.get(name, 0)), sync_dist=True, reduce_fx="sum")
         self._reward_sums, self._reward_failures = {}, {}
         for metric in self.metrics.values():
             metric.reset()
@@ -198,6 +222,9 @@ class GRPOModule(LightningModule):
         """Log-probs ``[n, T]`` of the batch's completions under ``model`` at the sampling temperature."""
         if batch.tokens.attention is not None:
             batch.tokens.attention.backend = self._backend or resolve_backend(self.attention_backend, self.device)
+        sharded = self._sharded.get(id(model))
+        if sharded is not None:  # FSDP2: through the root unit, which gathers what the kernel reads
+            return sharded(batch.tokens, self.temperature, self.logprob_chunk_size, with_entropy)
         return completion_logprobs(model, batch.tokens, self.temperature, self.logprob_chunk_size, with_entropy)
 
     def kl_in_reward_advantages(self, batch: MicroBatch, old_logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
@@ -277,6 +304,7 @@ class GRPOModule(LightningModule):
     # -- the update ------------------------------------------------------------------------------------
     def _optimizer_step(self) -> None:
         optimizer = self.optimizers()
+        self._steps_in_iteration += 1
         # DDP averages gradients over ranks; the normaliser spans every rank's samples. One reduction carries
         # the normaliser, the loss and how many ranks saw a non-finite value or off-policy samples, so every
         # rank takes the same decision (a rank raising alone would leave the others in a collective).
@@ -294,6 +322,8 @@ class GRPOModule(LightningModule):
                     parameter.grad.mul_(scale)
         parameters = [p for p in self.policy.parameters() if p.grad is not None]
         grad_norm = torch.nn.utils.clip_grad_norm_(parameters, self.max_grad_norm if self.max_grad_norm else float("inf"))
+        if hasattr(grad_norm, "full_tensor"):  # FSDP2: the norm over every rank's shards, as a DTensor
+            grad_norm = grad_norm.full_tensor()
         if not self.guard.step_is_finite(grad_norm, flagged_elsewhere=flagged > float(self.guard.pending)):
             optimizer.zero_grad(set_to_none=True)
             rank_zero_warn(f"optimizer step skipped (module.on_nonfinite=skip; {self.guard.skipped_steps} so far): {self.guard.last_problem}")
@@ -309,7 +339,20 @@ class GRPOModule(LightningModule):
     # -- checkpoints -----------------------------------------------------------------------------------
     def on_save_checkpoint(self, checkpoint: dict) -> None:
         checkpoint["lit_parl_nonfinite"] = self.guard.state_dict()
+        checkpoint["lit_parl_steps_in_iteration"] = self._steps_in_iteration
+        # inside an iteration θ_k is kept: a resume pushes it to the pool and trains the rest of the iteration against it
+        leave_out(checkpoint, self._reference_fingerprint, inside_iteration=0 < self._steps_in_iteration < self.shape.optimizer_steps)
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
         if "lit_parl_nonfinite" in checkpoint:  # checkpoints written before the guard existed have none
             self.guard.load_state_dict(checkpoint["lit_parl_nonfinite"])
+        self._steps_in_iteration = checkpoint.get("lit_parl_steps_in_iteration", 0)
+        put_back(checkpoint, self.reference, has_old=self.old is not None)
+        # written between iterations: θ_k is the policy, taken again at fit start (Lightning skips the epoch's start
+        # when the checkpoint came after its last batch, and a sharded checkpoint keeps the previous θ_k)
+        self._snapshot_at_start = checkpoint.get("lit_parl_old_is_policy", False)
+
+    def on_train_start(self) -> None:
+        if self._snapshot_at_start and self.old is not None:
+            self.old.load_state_dict(self.policy.state_dict())
+        self._snapshot_at_start = False

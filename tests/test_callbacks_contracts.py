@@ -16,7 +16,7 @@ from pathlib import Path
 import lightning
 import pytest
 import torch
-from lightning.pytorch import LightningDataModule, LightningModule
+from lightning.pytorch import Callback, LightningDataModule, LightningModule
 from torch.utils.data import DataLoader, IterableDataset
 
 import lit_parl.callbacks
@@ -508,6 +508,28 @@ def test_hf_export_saves_a_loadable_transformers_model(tmp_path):
     fit(QwenModel(policy=tiny_qwen2()), PlainData(), [default], epochs=1, root=tmp_path / "run")
     assert default.saved_to == tmp_path / "run" / "policy"
     assert transformers.AutoModelForCausalLM.from_pretrained(default.saved_to) is not None
+
+
+def test_hf_export_every_n_iterations_saves_each_iterations_policy(tmp_path):
+    import transformers
+
+    class Snapshots(Callback):  # the policy after each epoch, to compare with what was exported then
+        def __init__(self):
+            self.after = {}
+
+        def on_train_epoch_end(self, trainer, pl_module):
+            self.after[trainer.current_epoch + 1] = {k: v.clone() for k, v in pl_module.policy.state_dict().items()}
+
+    snapshots, export = Snapshots(), HFExport(dirpath=str(tmp_path / "export"), every_n_iterations=2)
+    fit(QwenModel(policy=tiny_qwen2()), ForeignData(FakePool()), [WeightSync(), snapshots, export], epochs=5)
+    assert sorted(p.name for p in (tmp_path / "export").iterdir() if p.is_dir()) == ["iteration-2", "iteration-4"]
+    for done in (2, 4):
+        loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "export" / f"iteration-{done}").state_dict()
+        assert all(torch.equal(loaded[k], v) for k, v in snapshots.after[done].items()), done
+    assert not all(torch.equal(snapshots.after[2][k], v) for k, v in snapshots.after[4].items()), "the policy did not move"
+    assert export.saved_to == tmp_path / "export" and (tmp_path / "export" / "model.safetensors").exists()
+    with pytest.raises(ValueError, match="every_n_iterations=-1"):
+        HFExport(every_n_iterations=-1)
 
 
 def test_hf_export_fails_at_fit_start_when_the_policy_cannot_be_saved():

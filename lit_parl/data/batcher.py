@@ -6,19 +6,24 @@ as its groups are in, and the last micro-batch of each mini-batch carries ``ends
 dynamic sampling, a zero-variance group's slot is refilled by a new prompt in the next round (slots
 refilled in schedule order, so the result is order-independent too). Passes after the first replay the
 same micro-batches. Every exchange with the pool ends before the last micro-batch of pass 0 leaves.
+
+Under W ranks each rank's batcher requests and trains only its ``RankShare`` of the slots; prompt ids stay
+global (slot ``s`` of the iteration drawing from the cursor is prompt ``cursor + s``), and with dynamic
+sampling the ranks tell each other which slots are open after each round (``open_slots_everywhere``), so
+the refill prompts are numbered as on one device and every prompt is trained once, on one rank.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 
 from lit_parl.data.acceptor import GroupAcceptor
+from lit_parl.data.ranks import RankShare
 from lit_parl.data.schedule import PromptSchedule
 from lit_parl.data.scoring import GroupScorer
-from lit_parl.data.shape import IterationShape
 from lit_parl.data.stats import IterationStats
 from lit_parl.rollout.base import RolloutPool
 from lit_parl.trajectory import MicroBatch, Packing, SamplingParams, Trajectory, collate
@@ -29,7 +34,7 @@ class IterationBatcher:
     """Requests an iteration's groups, checks and scores them, and cuts them into micro-batches.
 
     Args:
-        shape: the iteration's shape.
+        share: this rank's share of the iteration (``RankShare(shape)`` on one device).
         schedule: prompts, tokens and seeds.
         pool: the rollout pool (generation only).
         scorer: rewards (inline, or on threads of its own).
@@ -42,9 +47,11 @@ class IterationBatcher:
         max_sampling_rounds: rounds of refills before zero-variance groups are kept after all.
         logprob_tolerance: stamped on every micro-batch: the mean |rollout - θ_k| log-prob per token the
             trainer accepts in a group (``lit_parl.guards.off_policy_problem``); None: unchecked.
+        open_slots_everywhere: with dynamic sampling, this rank's open (global) slots in, every rank's out,
+            sorted; one call per refill round on every rank. On one device: the slots given.
     """
 
-    shape: IterationShape
+    share: RankShare
     schedule: PromptSchedule
     pool: RolloutPool
     scorer: GroupScorer
@@ -56,9 +63,11 @@ class IterationBatcher:
     dynamic_sampling: bool = False
     max_sampling_rounds: int = 8
     logprob_tolerance: float | None = None
+    open_slots_everywhere: Callable[[list[int]], list[int]] = sorted
 
     def micro_batches(self, version: int, stats: IterationStats) -> Iterator[MicroBatch]:
-        shape, G = self.shape, self.shape.group_size
+        share = self.share
+        shape, G = share.local, share.shape.group_size
         N, M, per_block = shape.prompts, shape.mini_batches, shape.prompts_per_step
         slots: dict[int, list[Trajectory]] = {}  # slot -> accepted group's trajectories
         dropped: list[tuple[int, list[Trajectory]]] = []  # (slot, group) with all-equal shaped rewards
@@ -80,13 +89,20 @@ class IterationBatcher:
                     emitted.append(batch)
                 yield batch
 
-        open_slots = list(range(N))
-        for _ in range(self.max_sampling_rounds if self.dynamic_sampling else 1):
-            if not open_slots:
+        open_slots = list(range(N))  # this rank's (local) slots without an accepted group
+        everywhere = list(range(share.shape.prompts))  # every rank's open (global) slots: all of them at first
+        for round_index in range(self.max_sampling_rounds if self.dynamic_sampling else 1):
+            if round_index:  # the same call on every rank, each round, even a rank with nothing left open
+                everywhere = self.open_slots_everywhere([share.global_slot(slot) for slot in open_slots])
+            if not everywhere:
                 break
+            # the round's prompts are numbered over every rank's open slots, in slot order, as on one device
             first = self.schedule.cursor + stats.prompts_drawn
-            slot_of = {first + i: slot for i, slot in enumerate(open_slots)}
-            stats.prompts_drawn += len(open_slots)
+            position = {slot: i for i, slot in enumerate(everywhere)}
+            slot_of = {first + position[share.global_slot(slot)]: slot for slot in open_slots}
+            stats.prompts_drawn += len(everywhere)
+            if not slot_of:
+                continue
             drawn = self.schedule.draw(list(slot_of), version)
             requests = {prompt_id: d.request for prompt_id, d in drawn.items()}
             groups = self.scorer.stream(self.pool.generate(list(requests.values()), self.sampling), drawn)
@@ -129,4 +145,4 @@ class IterationBatcher:
                 yield dataclasses.replace(batch, pass_index=pass_index)
         # Only a prefetch thread gets here (Lightning never resumes after the last micro-batch): tokenize the
         # next iteration's prompts while the trainer finishes this one, off the next iteration's critical path.
-        self.schedule.tokenize_ahead(list(range(next_first, next_first + N)))
+        self.schedule.tokenize_ahead([next_first + slot for slot in share.slots])

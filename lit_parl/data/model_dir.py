@@ -18,6 +18,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
+from safetensors.torch import save_model
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 
@@ -38,7 +39,12 @@ class InitialModelDir:
             return str(self.model)
         if self._path is None:
             self._path = tempfile.mkdtemp(prefix="lit_parl_initial_")
-            self.model.save_pretrained(self._path)
+            # written file by file: under torch.distributed, `save_pretrained` writes on rank 0 only, and every
+            # rank's engines start from a directory of that rank's own (ranks may be on other machines)
+            self.model.config.save_pretrained(self._path)
+            if getattr(self.model, "generation_config", None) is not None:
+                self.model.generation_config.save_pretrained(self._path)
+            save_model(self.model, str(Path(self._path) / "model.safetensors"), metadata={"format": "pt"})
             self.tokenizer.save_pretrained(self._path)
         return self._path
 

@@ -124,6 +124,9 @@ class RolloutPool(ABC):
     """
 
     backend: ClassVar[str] = "unnamed"
+    # False: an embedded pool, one per rank (each rank of a multi-device run starts its own and syncs its own
+    # weights). True: servers that every rank's pool object reaches (one weight push for all of them).
+    shared_across_ranks: ClassVar[bool] = False
 
     def __init__(self) -> None:
         self._version: int | None = None

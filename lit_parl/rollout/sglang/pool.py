@@ -60,6 +60,7 @@ class SGLangRolloutPool(RolloutPool):
     """
 
     backend = "sglang"
+    shared_across_ranks = True
 
     def __init__(
         self,

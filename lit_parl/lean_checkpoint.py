@@ -1,0 +1,74 @@
+"""Lean checkpoints: the frozen models the module can rebuild are left out of its checkpoints.
+
+- ``reference`` (θ_0) is the initial policy, which the module is built from again when a run resumes; the
+  checkpoint keeps a fingerprint of it instead (per parameter, the float64 sum and sum of squares), and a
+  resume from a module built from other weights is refused.
+- ``old`` (θ_k) is the policy at the start of the current iteration: between iterations that is the policy
+  itself; only a checkpoint written inside an iteration (after some of its optimizer steps) keeps it.
+
+Under a strategy that writes sharded checkpoints (FSDP2's distributed checkpoint) both stay in it: each rank
+writes its own shard, never a whole copy, and the loader reads every key of the module's state.
+
+Example::
+
+    >>> import torch
+    >>> state = {"policy.w": torch.ones(2), "reference.w": torch.ones(2), "old.w": torch.zeros(2)}
+    >>> checkpoint = {"state_dict": dict(state)}
+    >>> leave_out(checkpoint, fingerprint(torch.nn.ParameterDict({"w": torch.ones(2)})), inside_iteration=False)
+    >>> sorted(checkpoint["state_dict"])
+    ['policy.w']
+    >>> put_back(checkpoint, reference=torch.nn.ParameterDict({"w": torch.ones(2)}), has_old=True)
+    >>> sorted(checkpoint["state_dict"]), checkpoint["state_dict"]["old.w"].tolist()
+    (['old.w', 'policy.w', 'reference.w'], [1.0, 1.0])
+"""
+
+from __future__ import annotations
+
+import torch
+
+Fingerprint = list[tuple[str, float, float]]
+
+
+def fingerprint(model: torch.nn.Module) -> Fingerprint:
+    """Per parameter, the sum and the sum of squares in float64: tells a rebuilt θ_0 from other weights."""
+    with torch.no_grad():
+        return [(name, float(p.double().sum()), float(p.double().square().sum())) for name, p in model.named_parameters()]
+
+
+def same_fingerprint(saved: Fingerprint, rebuilt: Fingerprint, rtol: float = 1e-9) -> bool:
+    if [name for name, *_ in saved] != [name for name, *_ in rebuilt]:
+        return False
+    return all(abs(a - b) <= rtol * max(abs(a), abs(b), 1.0) for (_, *x), (_, *y) in zip(saved, rebuilt) for a, b in zip(x, y))
+
+
+def _is_sharded(state: dict) -> bool:
+    return any(hasattr(value, "full_tensor") for value in state.values())
+
+
+def leave_out(checkpoint: dict, reference_fingerprint: Fingerprint | None, inside_iteration: bool) -> None:
+    """Drop ``reference.*`` (θ_0) and, between iterations, ``old.*`` (θ_k) from ``checkpoint["state_dict"]``."""
+    state = checkpoint["state_dict"]
+    checkpoint["lit_parl_reference"] = reference_fingerprint
+    checkpoint["lit_parl_old_is_policy"] = not inside_iteration
+    if _is_sharded(state):
+        return
+    dropped = ("reference.",) if inside_iteration else ("reference.", "old.")
+    for name in [name for name in state if name.startswith(dropped)]:
+        del state[name]
+
+
+def put_back(checkpoint: dict, reference: torch.nn.Module | None, has_old: bool) -> None:
+    """Fill in what ``leave_out`` dropped: θ_0 from the rebuilt ``reference`` (checked first), θ_k from the policy."""
+    state = checkpoint.get("state_dict")
+    if state is None:  # a sharded checkpoint: the strategy loaded the module in place, every key included
+        return
+    if reference is not None and not any(name.startswith("reference.") for name in state):
+        saved = checkpoint.get("lit_parl_reference")
+        if saved is not None and not same_fingerprint(saved, fingerprint(reference)):
+            raise ValueError(
+                "this checkpoint was trained against another reference model (θ_0) than the one this GRPOModule was "
+                "built from: build the module from the same initial policy as the run that wrote it"
+            )
+        state.update({f"reference.{name}": tensor for name, tensor in reference.state_dict().items()})
+    if has_old and not any(name.startswith("old.") for name in state):
+        state.update({f"old.{name[len('policy.'):]}": tensor for name, tensor in state.items() if name.startswith("policy.")})

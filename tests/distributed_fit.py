@@ -1,0 +1,116 @@
+"""A short CPU fit under a strategy, run as a script: Lightning's launcher starts the other ranks by running
+this file again. Each rank writes what it trained, what its pool received and the final policy to ``--out``.
+
+    python tests/distributed_fit.py --strategy ddp --devices 2 --out DIR [--mode sync] [--dynamic] [--die RANK]
+
+``--strategy single`` is the one-process run on the same global batch. ``--die RANK`` kills that rank
+(SIGKILL) at the start of iteration 1, with a real worker-process pool, to check that the run ends.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import sys
+from pathlib import Path
+
+import lightning
+import torch
+from lightning.pytorch import Callback
+from lightning.pytorch.callbacks import ModelCheckpoint
+
+sys.path.insert(0, str(Path(__file__).parent))
+from conftest import BatchRecorder, InProcessPool, make_components, sgd  # noqa: E402
+
+from lit_parl import GRPOObjective  # noqa: E402
+from lit_parl.callbacks import HFExport, WeightSync  # noqa: E402
+from lit_parl.rollout import HFRolloutPool  # noqa: E402
+
+
+class RecordingPool(InProcessPool):
+    """Records each sync's version and the names and shapes of the tensors it received."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.syncs = []
+
+    def _sync_weights(self, buckets, version):
+        received = []
+
+        def recorded():
+            for bucket in buckets:
+                received.extend((name, list(tensor.shape), type(tensor).__name__) for name, tensor in bucket)
+                yield bucket
+
+        super()._sync_weights(recorded(), version)
+        self.syncs.append({"version": version, "tensors": received})
+
+
+class DieAt(Callback):
+    def __init__(self, rank: int) -> None:
+        self.rank = rank
+
+    def on_train_epoch_start(self, trainer, pl_module):
+        if trainer.current_epoch == 1 and trainer.global_rank == self.rank:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
+def strategy(name: str, devices: int):
+    if name == "ddp":
+        return lightning.pytorch.strategies.DDPStrategy()  # gloo on the CPU, NCCL on CUDA
+    if name == "fsdp2":
+        return lightning.pytorch.strategies.ModelParallelStrategy(data_parallel_size=devices, tensor_parallel_size=1)
+    return "auto"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--strategy", default="single", choices=("single", "ddp", "fsdp2"))
+    parser.add_argument("--devices", type=int, default=1)
+    parser.add_argument("--accelerator", default="cpu")
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--mode", default="async")
+    parser.add_argument("--iterations", type=int, default=2)
+    parser.add_argument("--dynamic", action="store_true")
+    parser.add_argument("--die", type=int, default=None)
+    parser.add_argument("--save-every-step", default=None, help="a directory: a checkpoint after every optimizer step")
+    parser.add_argument("--resume", default=None, help="a checkpoint to resume from")
+    args = parser.parse_args()
+
+    torch.manual_seed(0)
+    objective = GRPOObjective(beta=0.04, dynamic_sampling=args.dynamic)
+    pool = HFRolloutPool(num_workers=1, threads_per_worker=1, prompts_per_request=2, colocated_threads=1) if args.die is not None else RecordingPool()
+    module, datamodule = make_components(
+        args.mode, pool=pool, prompts=8, group_size=4, micro_batch_size=4, mini_batches=2, objective=objective, **sgd(0.5)
+    )
+    recorder = BatchRecorder()
+    callbacks = [WeightSync(), recorder, HFExport(dirpath=str(Path(args.out) / "export"))] + ([DieAt(args.die)] if args.die is not None else [])
+    if args.save_every_step:
+        callbacks.append(ModelCheckpoint(dirpath=args.save_every_step, filename="{step}", every_n_train_steps=1, save_top_k=-1))
+    trainer = lightning.Trainer(
+        accelerator=args.accelerator, devices=args.devices, strategy=strategy(args.strategy, args.devices), max_epochs=args.iterations,
+        callbacks=callbacks, logger=False, enable_checkpointing=bool(args.save_every_step), enable_progress_bar=False,
+        enable_model_summary=False, num_sanity_val_steps=0,
+    )
+    trainer.fit(module, datamodule=datamodule, ckpt_path=args.resume)
+
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    rank = trainer.global_rank
+    policy = {name: tensor for name, tensor in WeightSync().policy_tensors(trainer, module)}  # gathered on every rank
+    if rank == 0:
+        torch.save(policy, out / "policy.pt")
+    record = {
+        "world": trainer.world_size,
+        "samples": recorder.samples(),
+        "syncs": getattr(pool, "syncs", []),
+        "drawn": datamodule.schedule.cursor,
+        "parameter_types": sorted({type(p).__name__ for p in module.parameters()}),
+    }
+    (out / f"rank{rank}.json").write_text(json.dumps(record))
+
+
+if __name__ == "__main__":
+    main()
