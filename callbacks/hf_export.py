@@ -26,7 +26,8 @@ class HFExport(Callback):
     (:class:`~lit_parl.callbacks.SavesPretrained`, any ``transformers.PreTrainedModel``). A ``tokenizer``
     attribute is optional; when present (not ``None``) it must have ``save_pretrained`` too.
 
-    Override ``export(pl_module, directory, state_dict)`` to save differently.
+    Override ``export(pl_module, directory, state_dict=None)`` to save differently; under FSDP2 it is given the
+    gathered weights as ``state_dict`` (on one device or DDP, ``None``: the policy holds them whole).
 
     Args:
         dirpath: the export directory. ``None``: ``<trainer.default_root_dir>/policy``.
@@ -98,7 +99,7 @@ class HFExport(Callback):
 
     def _export(self, trainer: Trainer, pl_module: LightningModule, directory: Path) -> None:
         state_dict = None
-        if type(self).export is HFExport.export and is_sharded(pl_module.policy):
+        if is_sharded(pl_module.policy):
             # every rank: each gather is a collective; kept in CPU memory, one tensor at a time on the device
             full = ((name, tensor.cpu()) for name, tensor in full_tensors(pl_module.policy))
             if trainer.is_global_zero:
@@ -108,7 +109,7 @@ class HFExport(Callback):
                     pass
         if not trainer.is_global_zero:
             return
-        if state_dict is None:  # an override may take two arguments only
+        if state_dict is None:  # whole weights: an override written for one device may take two arguments only
             self.export(pl_module, directory)
         else:
             self.export(pl_module, directory, state_dict)

@@ -88,6 +88,9 @@ class RunSummary(Callback):
         self._fit_start = time.monotonic()
         self._last_record = None
 
+    def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._epoch_start = time.monotonic()  # a fit resumed inside an epoch starts it without on_train_epoch_start
+
     def on_train_epoch_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self._epoch_start = time.monotonic()
 

@@ -18,9 +18,10 @@ SYNCS_KEPT = 64  # sync intervals kept for readers such as PipelineTimeline (one
 class WeightSync(Callback):
     r"""Push the policy to a weight receiver before every epoch, as version ``trainer.current_epoch``.
 
-    A fit resumed from a checkpoint written inside an epoch (``ModelCheckpoint(every_n_train_steps=k)``)
-    starts without ``on_train_epoch_start``: when the datamodule says so (``resumes_mid_iteration``), the
-    epoch's starting weights (``snapshot_tensors``) are pushed at ``on_train_start`` instead.
+    A fit resumed from a checkpoint (the datamodule says ``restored``) pushes at ``on_train_start``, since
+    Lightning skips ``on_train_epoch_start`` when it restarts inside an epoch: the policy, or, when the
+    checkpoint was written inside an iteration (the datamodule's ``resume_version``), that iteration's
+    starting weights (``snapshot_tensors``) under its own version.
 
     Epoch k (one RL iteration) pushes θ_k, the weights after k epochs, as version k: ``receiver.sync_weights``
     returns once every worker holds them. Only then, if the datamodule has an ``open_iteration(version)``
@@ -87,7 +88,7 @@ class WeightSync(Callback):
         self.sync_intervals: deque[tuple[float, float]] = deque(maxlen=SYNCS_KEPT)
         self._receiver: WeightReceiver | None = None
         self._gate: IterationGate | None = None
-        self._pushed_version: int | None = None
+        self._pushed_for_epoch: int | None = None
 
     def policy_tensors(self, trainer: Trainer, pl_module: LightningModule) -> Iterable[tuple[str, torch.Tensor]]:
         """The named full tensors the receiver loads. Override for other module layouts or sharded strategies."""
@@ -141,7 +142,7 @@ class WeightSync(Callback):
             require(pl_module, HasPolicy, owner="WeightSync", role="the LightningModule",
                     fix="Keep the model whose weights the pool needs as `self.policy` (a torch.nn.Module), or "
                         "subclass WeightSync and override `policy_tensors`.")
-        self._pushed_version = None
+        self._pushed_for_epoch = None
         # the gate is optional: without one, the datamodule does not wait for the weights
         self._gate = datamodule if datamodule is not None and not contract_problems(datamodule, IterationGate) else None
 
@@ -150,18 +151,21 @@ class WeightSync(Callback):
         # checkpoint was written inside an epoch, or after an epoch's last batch but before its end
         datamodule = trainer.datamodule
         if getattr(datamodule, "restored", False):
-            mid_iteration = getattr(datamodule, "resumes_mid_iteration", False)
-            tensors = self.snapshot_tensors(trainer, pl_module) if mid_iteration else self.policy_tensors(trainer, pl_module)
-            self._push(tensors, trainer.current_epoch)
+            version = getattr(datamodule, "resume_version", None)  # an iteration the checkpoint was written inside of
+            if version is not None:
+                self._push(self.snapshot_tensors(trainer, pl_module), version)
+            else:
+                self._push(self.policy_tensors(trainer, pl_module), trainer.current_epoch)
+            self._pushed_for_epoch = trainer.current_epoch
 
     def on_train_epoch_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        if self._pushed_version != trainer.current_epoch:  # not already pushed by a resume
+        if self._pushed_for_epoch != trainer.current_epoch:  # not already pushed for this epoch by a resume
             self._push(self.policy_tensors(trainer, pl_module), trainer.current_epoch)
+        self._pushed_for_epoch = None
 
     def _push(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
         start = time.monotonic()
         self._receiver.sync_weights(self.buckets(named_tensors), version)
         if self._gate is not None:
             self._gate.open_iteration(version)
-        self._pushed_version = version
         self.sync_intervals.append((start, time.monotonic()))

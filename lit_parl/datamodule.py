@@ -35,6 +35,7 @@ from lit_parl.data.gate import OffPolicyError, VersionGate
 from lit_parl.data.model_dir import InitialModelDir
 from lit_parl.data.prefetch import prefetched
 from lit_parl.data.ranks import RankShare
+from lit_parl.data.resume import ResumePoint
 from lit_parl.data.schedule import PromptSchedule
 from lit_parl.data.scoring import GroupScorer
 from lit_parl.data.shape import IterationShape
@@ -176,8 +177,8 @@ class RolloutDataModule(LightningDataModule):
         self.share = RankShare(shape)  # this rank's part of each iteration; set for the strategy's ranks in setup
         self._data_group = None  # a process group of the data path's own, under W ranks with dynamic sampling
         self.iterations_done = 0
-        self._resume_trained = 0  # micro-batches of the current iteration a mid-iteration checkpoint had trained
-        self.restored = False  # loaded from a checkpoint: the first iteration's weights are pushed at fit start
+        self.resume = ResumePoint()  # where a checkpoint left the current iteration
+        self._check_resume = False  # the first iteration after a restore checks Lightning's position against it
         self.history: deque[IterationStats] = deque(maxlen=HISTORY_KEPT)  # the last few: a long run holds the same
         self._use_prefetch = bool(prefetch)
         self._model_dir = InitialModelDir(initial_model, tokenizer)  # what the pool's engines start from
@@ -250,35 +251,25 @@ class RolloutDataModule(LightningDataModule):
 
     def state_dict(self) -> dict:
         return {**self.schedule.state_dict(), **self.gate.state_dict(), "iterations_done": self.iterations_done,
-                "trained_in_iteration": self._trained_in_iteration()}
+                **ResumePoint.saved(self.trainer, self.share, self.iterations_done)}
 
     def load_state_dict(self, state_dict: dict) -> None:
         self.schedule.load_state_dict(state_dict)
         self.gate.load_state_dict(state_dict)
         self.iterations_done = state_dict["iterations_done"]
-        trained = state_dict.get("trained_in_iteration", 0)
-        per_step = self.share.local.micro_batches_per_pass // self.share.local.mini_batches
-        if trained % per_step:
-            raise ValueError(
-                f"this checkpoint was written between two micro-batches of one optimizer step ({trained} of iteration "
-                f"{self.iterations_done}'s micro-batches trained, {per_step} per step): the gradient they accumulated is not in it, "
-                "so the run cannot resume exactly. Resume from a checkpoint written at an optimizer step or an iteration's end: "
-                "ModelCheckpoint(every_n_train_steps=k) or ModelCheckpoint(every_n_epochs=k)."
-            )
-        self._resume_trained = trained
-        self.restored = True
-
-    def _trained_in_iteration(self) -> int:
-        """How many of the unfinished iteration's micro-batches Lightning has trained (0 between iterations)."""
-        trainer = self.trainer
-        if trainer is None or self.iterations_done != trainer.current_epoch:
-            return 0  # no fit, or the iteration is booked as done (its last micro-batch has left)
-        return trainer.fit_loop.epoch_loop.batch_progress.current.processed
+        self.resume.load(state_dict, self.share)
+        self._check_resume = True
 
     @property
-    def resumes_mid_iteration(self) -> bool:
-        """Restored from a checkpoint written inside an iteration: its weights are θ_k (the module's ``old``), not the policy."""
-        return self._resume_trained > 0
+    def restored(self) -> bool:
+        """Loaded from a checkpoint: the first iteration's weights are pushed when the fit starts."""
+        return self.resume.restored
+
+    @property
+    def resume_version(self) -> int | None:
+        """The version of the iteration a checkpoint was written inside of, which the restored fit finishes from θ_k
+        (the module's ``old``); ``None`` when it was written between iterations."""
+        return self.resume.version
 
     # -- the version gate ------------------------------------------------------------------------------
     def open_iteration(self, version: int) -> None:
@@ -325,7 +316,10 @@ class RolloutDataModule(LightningDataModule):
         total, count = self.share.local.micro_batches, 0
         # resumed inside an iteration: the pool generates it again from θ_k with the same seeds (the same
         # samples), and the micro-batches trained before the checkpoint are left out
-        skip, self._resume_trained = self._resume_trained, 0
+        if self._check_resume and self.trainer is not None:
+            self.resume.check_lightning(self.trainer.fit_loop.epoch_loop.batch_progress.current.ready)
+        self._check_resume = False
+        skip = self.resume.take_skip()
         try:
             for batch in batches:
                 count += 1
@@ -345,8 +339,6 @@ class RolloutDataModule(LightningDataModule):
         trainer = self.trainer
         if self.evaluator is None or trainer is None or trainer.sanity_checking or not self.history:
             return {}  # before the first iteration the pool holds no policy yet
-        if trainer.global_rank != 0:
-            return {}  # under W ranks rank 0 evaluates, through its own pool, holding the same θ_k as every rank's
         iteration = trainer.current_epoch
         if self.iterations_done != iteration + 1:
             return {}  # Lightning validates mid-epoch when a fit is stopped (max_time): this iteration is unfinished
@@ -358,7 +350,13 @@ class RolloutDataModule(LightningDataModule):
         version = self.history[-1].version
         if self.pool.version != version:  # the weights of the iteration just trained, synced at its start
             raise OffPolicyError(f"evaluation after iteration {iteration} expects the pool to hold version {version}, it holds {self.pool.version}")
-        return self.evaluator.run(self.pool, version, self.sampling)
+        if self.share.world == 1:
+            return self.evaluator.run(self.pool, version, self.sampling)
+        # under W ranks rank 0 evaluates, through its own pool (it holds the same θ_k as every rank's), and every
+        # rank logs its metrics: each rank then runs the same validation step, and its collectives, alike
+        metrics = [self.evaluator.run(self.pool, version, self.sampling) if trainer.global_rank == 0 else None]
+        torch.distributed.broadcast_object_list(metrics, src=0)
+        return metrics[0]
 
     def _finish_iteration(self, stats: IterationStats) -> None:
         stats.completed_at = time.monotonic()

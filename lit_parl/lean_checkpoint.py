@@ -45,12 +45,14 @@ def _is_sharded(state: dict) -> bool:
     return any(hasattr(value, "full_tensor") for value in state.values())
 
 
-def leave_out(checkpoint: dict, reference_fingerprint: Fingerprint | None, inside_iteration: bool) -> None:
-    """Drop ``reference.*`` (θ_0) and, between iterations, ``old.*`` (θ_k) from ``checkpoint["state_dict"]``."""
+def leave_out(checkpoint: dict, reference_fingerprint: Fingerprint | None, inside_iteration: bool, keep_all: bool = False) -> None:
+    """Drop ``reference.*`` (θ_0) and, between iterations, ``old.*`` (θ_k) from ``checkpoint["state_dict"]``.
+
+    ``keep_all``: drop nothing (a strategy whose loader fills the module's state before the module's hooks run).
+    """
     state = checkpoint["state_dict"]
     checkpoint["lit_parl_reference"] = reference_fingerprint
-    checkpoint["lit_parl_old_is_policy"] = not inside_iteration
-    if _is_sharded(state):
+    if keep_all or _is_sharded(state):
         return
     dropped = ("reference.",) if inside_iteration else ("reference.", "old.")
     for name in [name for name in state if name.startswith(dropped)]:
@@ -58,7 +60,8 @@ def leave_out(checkpoint: dict, reference_fingerprint: Fingerprint | None, insid
 
 
 def put_back(checkpoint: dict, reference: torch.nn.Module | None, has_old: bool) -> None:
-    """Fill in what ``leave_out`` dropped: θ_0 from the rebuilt ``reference`` (checked first), θ_k from the policy."""
+    """Fill in what ``leave_out`` dropped: θ_0 from the rebuilt ``reference`` (checked first), θ_k from the policy
+    (``has_old``: the module keeps a θ_k)."""
     state = checkpoint.get("state_dict")
     if state is None:  # a sharded checkpoint: the strategy loaded the module in place, every key included
         return

@@ -45,6 +45,7 @@ from lit_parl.data.gate import OffPolicyError
 from lit_parl.guards import NonFiniteGuard, logprob_mismatch, off_policy_problem, worst_group_mismatch
 from lit_parl.kernels.attention import resolve_backend
 from lit_parl.kernels.forward import check_supported, completion_logprobs
+from lit_parl.iteration_progress import IterationProgress
 from lit_parl.lean_checkpoint import fingerprint, leave_out, put_back
 from lit_parl.limits import check_memory, context_length
 from lit_parl.objectives import GRPOObjective, kl_estimate
@@ -137,8 +138,7 @@ class GRPOModule(LightningModule):
         # checkpoints leave out what the module rebuilds: θ_0 (from the initial model, checked against this) and,
         # between iterations, θ_k (the policy at the iteration's start)
         self._reference_fingerprint = fingerprint(self.reference) if self.reference is not None else None
-        self._steps_in_iteration = 0  # optimizer steps taken in the current iteration (checkpointed)
-        self._snapshot_at_start = False  # restored between iterations: θ_k is taken again when training starts
+        self.progress = IterationProgress(shape.optimizer_steps)  # where a checkpoint falls in the iteration
         self._normaliser = 0.0
         self._loss_sum = 0.0
         self.train_intervals: list[tuple[float, float]] = []  # (start, end) monotonic, this iteration
@@ -188,14 +188,17 @@ class GRPOModule(LightningModule):
         check_strategy(self.trainer.strategy)
 
     def on_train_epoch_start(self) -> None:
+        self.progress.start_iteration()
         if self.old is not None:  # θ_k exactly: the weights the pool generates this iteration with
             self.old.load_state_dict(self.policy.state_dict())
-        self._steps_in_iteration = 0
         self._normaliser, self._loss_sum = 0.0, 0.0
         self.train_intervals = []
 
     def on_train_epoch_end(self) -> None:
-        values = {name: metric.compute() for name, metric in self.metrics.items() if metric.update_called}
+        updated = [metric.update_called for metric in self.metrics.values()]
+        if self.trainer is not None and self.trainer.world_size > 1:  # compute() is a collective: every rank computes the same metrics
+            updated = self.trainer.strategy.reduce(torch.tensor(updated, dtype=torch.float32, device=self.device), reduce_op="sum").gt(0).tolist()
+        values = {name: metric.compute() for (name, metric), due in zip(self.metrics.items(), updated) if due}
         if "reward" in values:
             values["reward_std"] = (values.pop("reward_sq") - values["reward"] ** 2).clamp(min=0).sqrt()
         names = {"length": "length/mean", "length_max": "length/max", "truncated": "truncation_rate",
@@ -262,7 +265,10 @@ class GRPOModule(LightningModule):
         # Backward even now: under DDP every rank must join each backward's gradient reduction. Both checks
         # are decided at the optimizer step, on every rank at once, before any weight moves.
         self.manual_backward(terms.loss_sum)
+        self.progress.micro_batch()
         self._normaliser += float(terms.normaliser)
+        if batch.pass_index == 0:  # each reward's values, whatever the loss: every rank then logs every reward's name
+            self._add_reward_components(batch)
         if finite:
             self._loss_sum += float(terms.loss_sum.detach())
             self._update_metrics(batch, terms, old_logp)
@@ -271,6 +277,14 @@ class GRPOModule(LightningModule):
             self._optimizer_step()
         self.train_intervals.append((start, time.monotonic()))
         return terms.loss_sum.detach()
+
+    def _add_reward_components(self, batch: MicroBatch) -> None:
+        for name, (total, count) in batch.reward_components.items():
+            sums = self._reward_sums.setdefault(name, [0.0, 0])
+            sums[0] += total
+            sums[1] += count
+        for name, failures in batch.reward_failures.items():
+            self._reward_failures[name] = self._reward_failures.get(name, 0) + failures
 
     def _update_metrics(self, batch: MicroBatch, terms, old_logp: torch.Tensor) -> None:
         m, stats = self.metrics, terms.stats
@@ -290,12 +304,6 @@ class GRPOModule(LightningModule):
             m["length_max"].update(lengths)
             m["truncated"].update(batch.truncated.float())
             m["zero_variance"].update(batch.zero_variance.float())
-            for name, (total, count) in batch.reward_components.items():
-                sums = self._reward_sums.setdefault(name, [0.0, 0])
-                sums[0] += total
-                sums[1] += count
-            for name, failures in batch.reward_failures.items():
-                self._reward_failures[name] = self._reward_failures.get(name, 0) + failures
             # the rollout engine's log-probs against θ_k's, on the same tokens
             abs_sum, kl_sum, _ = logprob_mismatch(batch.rollout_logprobs, old_logp, mask)
             m["mismatch_abs"].update(abs_sum / tokens, weight=tokens)
@@ -304,7 +312,7 @@ class GRPOModule(LightningModule):
     # -- the update ------------------------------------------------------------------------------------
     def _optimizer_step(self) -> None:
         optimizer = self.optimizers()
-        self._steps_in_iteration += 1
+        self.progress.optimizer_step()
         # DDP averages gradients over ranks; the normaliser spans every rank's samples. One reduction carries
         # the normaliser, the loss and how many ranks saw a non-finite value or off-policy samples, so every
         # rank takes the same decision (a rank raising alone would leave the others in a collective).
@@ -339,20 +347,20 @@ class GRPOModule(LightningModule):
     # -- checkpoints -----------------------------------------------------------------------------------
     def on_save_checkpoint(self, checkpoint: dict) -> None:
         checkpoint["lit_parl_nonfinite"] = self.guard.state_dict()
-        checkpoint["lit_parl_steps_in_iteration"] = self._steps_in_iteration
-        # inside an iteration θ_k is kept: a resume pushes it to the pool and trains the rest of the iteration against it
-        leave_out(checkpoint, self._reference_fingerprint, inside_iteration=0 < self._steps_in_iteration < self.shape.optimizer_steps)
+        self.progress.save(checkpoint)  # a checkpoint between micro-batches of a step resumes from that step's start
+        # inside an iteration θ_k is kept: a resume pushes it to the pool and trains the rest of the iteration against
+        # it. Under FSDP2 nothing is left out: its loader fills the module's every key before this module sees the file.
+        leave_out(checkpoint, self._reference_fingerprint, inside_iteration=self.progress.inside, keep_all=bool(self._sharded))
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
         if "lit_parl_nonfinite" in checkpoint:  # checkpoints written before the guard existed have none
             self.guard.load_state_dict(checkpoint["lit_parl_nonfinite"])
-        self._steps_in_iteration = checkpoint.get("lit_parl_steps_in_iteration", 0)
+        self.progress.load(checkpoint)
         put_back(checkpoint, self.reference, has_old=self.old is not None)
-        # written between iterations: θ_k is the policy, taken again at fit start (Lightning skips the epoch's start
-        # when the checkpoint came after its last batch, and a sharded checkpoint keeps the previous θ_k)
-        self._snapshot_at_start = checkpoint.get("lit_parl_old_is_policy", False)
 
     def on_train_start(self) -> None:
-        if self._snapshot_at_start and self.old is not None:
+        # restored between iterations: θ_k is the policy (Lightning skips the epoch's start when the checkpoint came
+        # after its last batch, and a sharded checkpoint holds the previous iteration's θ_k)
+        if self.progress.retake_snapshot and self.old is not None:
             self.old.load_state_dict(self.policy.state_dict())
-        self._snapshot_at_start = False
+        self.progress.retake_snapshot = False

@@ -75,6 +75,7 @@ def main() -> None:
     parser.add_argument("--iterations", type=int, default=2)
     parser.add_argument("--dynamic", action="store_true")
     parser.add_argument("--die", type=int, default=None)
+    parser.add_argument("--eval", action="store_true", help="a greedy evaluation of 4 held-out prompts after every iteration")
     parser.add_argument("--save-every-step", default=None, help="a directory: a checkpoint after every optimizer step")
     parser.add_argument("--resume", default=None, help="a checkpoint to resume from")
     args = parser.parse_args()
@@ -83,7 +84,8 @@ def main() -> None:
     objective = GRPOObjective(beta=0.04, dynamic_sampling=args.dynamic)
     pool = HFRolloutPool(num_workers=1, threads_per_worker=1, prompts_per_request=2, colocated_threads=1) if args.die is not None else RecordingPool()
     module, datamodule = make_components(
-        args.mode, pool=pool, prompts=8, group_size=4, micro_batch_size=4, mini_batches=2, objective=objective, **sgd(0.5)
+        args.mode, pool=pool, prompts=8, group_size=4, micro_batch_size=4, mini_batches=2, objective=objective, **sgd(0.5),
+        datamodule_kwargs={"evaluation": {"every_n_iterations": 1, "prompts": 4}} if args.eval else None,
     )
     recorder = BatchRecorder()
     callbacks = [WeightSync(), recorder, HFExport(dirpath=str(Path(args.out) / "export"))] + ([DieAt(args.die)] if args.die is not None else [])
@@ -108,6 +110,7 @@ def main() -> None:
         "syncs": getattr(pool, "syncs", []),
         "drawn": datamodule.schedule.cursor,
         "parameter_types": sorted({type(p).__name__ for p in module.parameters()}),
+        "val": {name: float(value) for name, value in trainer.callback_metrics.items() if name.startswith("val/")},
     }
     (out / f"rank{rank}.json").write_text(json.dumps(record))
 

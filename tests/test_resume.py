@@ -75,15 +75,84 @@ def test_the_resumed_iteration_generates_from_its_starting_weights(tmp_path):
     assert any(not torch.equal(state[f"old.{name}"], state[f"policy.{name}"]) for name in weights)  # θ_k is not the policy
 
 
-def test_a_checkpoint_between_the_micro_batches_of_one_step_is_refused_at_load(tmp_path):
-    class SaveAfterFirstMicroBatch(Callback):
-        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-            if trainer.current_epoch == 1 and batch_idx == 0:
-                trainer.save_checkpoint(tmp_path / "mid_step.ckpt")
+def assert_same_policy(module, expected) -> None:
+    for name, tensor in policy_state(expected).items():
+        torch.testing.assert_close(module.policy.state_dict()[name], tensor, rtol=1e-5, atol=1e-7, msg=name)
 
-    run(tmp_path, callbacks=[SaveAfterFirstMicroBatch()])
-    with pytest.raises(ValueError, match=r"between two micro-batches of one optimizer step .*every_n_train_steps"):
-        run(tmp_path / "resumed", ckpt_path=str(tmp_path / "mid_step.ckpt"))
+
+class SaveAt(Callback):
+    """Writes ``path`` after micro-batch ``batch_idx`` of epoch ``epoch`` (between two micro-batches of one step),
+    or, with ``stop=True``, stops the fit there (as max_time does) and writes it at that epoch's end."""
+
+    def __init__(self, path, epoch: int, batch_idx: int, stop: bool = False) -> None:
+        self.path, self.epoch, self.batch_idx, self.stop = path, epoch, batch_idx, stop
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if (trainer.current_epoch, batch_idx) == (self.epoch, self.batch_idx):
+            if self.stop:
+                trainer.should_stop = True
+            else:
+                trainer.save_checkpoint(self.path)
+
+    def on_train_epoch_end(self, trainer, pl_module):
+        if self.stop and trainer.current_epoch == self.epoch:
+            trainer.save_checkpoint(self.path)
+
+
+def test_a_checkpoint_between_the_micro_batches_of_one_step_resumes_from_that_steps_start(tmp_path):
+    """The weights in it are those of the last step; the micro-batch after it is trained again, from them."""
+    straight, _, straight_batches = run(tmp_path / "straight")
+    _, _, before = run(tmp_path / "saved", callbacks=[SaveAt(tmp_path / "mid_step.ckpt", epoch=1, batch_idx=2)])  # after step 5's first
+    resumed, _, resumed_batches = run(tmp_path / "resumed", ckpt_path=str(tmp_path / "mid_step.ckpt"))
+    assert_same_policy(resumed, straight)
+    per_step = len(straight_batches.samples()) // (ITERATIONS * 2)
+    assert straight_batches.samples()[: 3 * per_step] + resumed_batches.samples() == straight_batches.samples()
+
+
+@pytest.mark.parametrize("batch_idx", [2, 3], ids=["between_micro_batches", "at_a_step"])
+def test_a_fit_stopped_inside_an_iteration_resumes_inside_it(tmp_path, batch_idx):
+    """max_time stops a fit inside an iteration and `last.ckpt` is written at that epoch's end. Lightning would
+    resume at the next epoch (the next iteration, early); the checkpoint says the epoch is unfinished, so the
+    resumed fit finishes the interrupted iteration first and ends with the uninterrupted run's weights."""
+    straight, straight_data, straight_batches = run(tmp_path / "straight")
+    run(tmp_path / "stopped", callbacks=[SaveAt(tmp_path / "last.ckpt", epoch=1, batch_idx=batch_idx, stop=True)])
+    resumed, resumed_data, resumed_batches = run(tmp_path / "resumed", ckpt_path=str(tmp_path / "last.ckpt"))
+    assert_same_policy(resumed, straight)
+    assert resumed_data.schedule.cursor == straight_data.schedule.cursor and resumed_data.iterations_done == ITERATIONS
+    per_step = len(straight_batches.samples()) // (ITERATIONS * 2)
+    steps_before = 2 + (batch_idx + 1) // 2  # iteration 0's two, and iteration 1's whole steps before the stop
+    assert straight_batches.samples()[: steps_before * per_step] + resumed_batches.samples() == straight_batches.samples()
+
+
+def test_a_checkpoint_written_by_a_resumed_fit_resumes_too(tmp_path):
+    """Resume from an iteration's last micro-batch (Lightning skips the next epoch's start), save every step, and
+    resume again from inside the following iteration: the chain ends with the uninterrupted weights."""
+    straight, _, _ = run(tmp_path / "straight")
+    run(tmp_path / "first", save_every_step=True)
+    run(tmp_path / "second", ckpt_path=str(tmp_path / "first" / "step=4.ckpt"), save_every_step=True)
+    resumed, _, _ = run(tmp_path / "third", ckpt_path=str(tmp_path / "second" / "step=6.ckpt"))
+    assert_same_policy(resumed, straight)
+
+
+def test_a_checkpoint_without_its_position_in_the_iteration_is_refused(tmp_path):
+    """Written inside an iteration by a version that did not record how far it was: stop, rather than train off."""
+    run(tmp_path, save_every_step=True)
+    checkpoint = torch.load(tmp_path / "step=5.ckpt", weights_only=False)
+    del checkpoint["RolloutDataModule"]["trained_in_iteration"]
+    torch.save(checkpoint, tmp_path / "old.ckpt")
+    with pytest.raises(RuntimeError, match="did not record its position"):
+        run(tmp_path / "resumed", ckpt_path=str(tmp_path / "old.ckpt"))
+
+
+def test_resuming_inside_an_iteration_on_another_number_of_ranks_is_refused():
+    from lit_parl.data.ranks import RankShare
+    from lit_parl.data.resume import ResumePoint
+    from lit_parl.data.shape import IterationShape
+
+    share = RankShare(IterationShape(prompts=8, group_size=4, micro_batch_size=8, mini_batches=2))
+    with pytest.raises(ValueError, match="by 2 rank.*this fit has 1"):
+        ResumePoint().load({"iterations_done": 1, "trained_in_iteration": 2, "world": 2}, share)
+    ResumePoint().load({"iterations_done": 1, "trained_in_iteration": 0, "world": 2}, share)  # between iterations: any number
 
 
 def test_checkpoints_leave_out_the_models_the_module_rebuilds(tmp_path):

@@ -88,10 +88,14 @@ def test_two_ranks_train_the_single_process_update_each_prompt_once(single, two_
     assert all(torch.equal(exported[name], tensor) for name, tensor in result["policy"].items())
 
 
-def test_sync_and_async_agree_under_ddp(tmp_path, single):
-    synchronous = run(tmp_path, "ddp", "--mode", "sync")
+def test_sync_and_async_agree_under_ddp_and_every_rank_logs_the_evaluation(tmp_path, single):
+    """Also with a held-out evaluation after each iteration: rank 0 evaluates, every rank logs its metrics (and so
+    runs the same validation step and its collectives), and training is unchanged."""
+    synchronous = run(tmp_path, "ddp", "--mode", "sync", "--eval")
     assert_same_policy(synchronous["policy"], single["policy"])
     assert sorted(samples(synchronous)) == sorted(samples(single))
+    first, second = (rank["val"] for rank in synchronous["ranks"])
+    assert "val/greedy_accuracy" in first and first == second
 
 
 def test_dynamic_sampling_refills_are_numbered_as_on_one_device(tmp_path):
@@ -113,6 +117,10 @@ def test_resume_inside_an_iteration_under_two_ranks_is_exact(tmp_path, two_ranks
     assert set(samples(resumed)) < set(later) and len(samples(resumed)) == len(later) // 2
     if strategy == "fsdp2":
         assert (straight_dir / "checkpoints" / "step=3.ckpt").is_dir(), "FSDP2 wrote a single-file checkpoint: sharding was not exercised"
+        # iteration 0's last micro-batch: Lightning goes on without the next epoch's start, and the sharded
+        # checkpoint holds iteration 0's θ_k, which must be taken again from the policy
+        after_last = run(tmp_path / "after_last", strategy, "--resume", str(straight_dir / "checkpoints" / "step=2.ckpt"))
+        assert_same_policy(after_last["policy"], straight["policy"], rtol=1e-6)
 
 
 def _session_processes(session: int) -> list[str]:
