@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+import warnings
 from collections import deque
 
 import torch
@@ -178,6 +179,9 @@ class RolloutDataModule(LightningDataModule):
         self._data_group = None  # a process group of the data path's own, under W ranks with dynamic sampling
         self.iterations_done = 0
         self.resume = ResumePoint()  # where a checkpoint left the current iteration
+        # Lightning warns that a mid-epoch resume of a dataloader without state_dict is unreliable; this one resumes
+        # exactly (the stream leaves out what the checkpoint trained and checks Lightning's position against it)
+        warnings.filterwarnings("ignore", message=r"You're resuming from a checkpoint that ended before the epoch ended")
         self._check_resume = False  # the first iteration after a restore checks Lightning's position against it
         self.history: deque[IterationStats] = deque(maxlen=HISTORY_KEPT)  # the last few: a long run holds the same
         self._use_prefetch = bool(prefetch)
