@@ -10,7 +10,9 @@ in ``setup``, closed in ``teardown`` or when the fit fails); each part has one j
 - ``VersionGate``: the version that may generate now, opened by ``WeightSync`` through ``open_iteration``;
 - ``GroupScorer``: rewards (inline, or on threads of its own); ``GroupAcceptor``: checks and advantages;
 - ``IterationBatcher``: micro-batches, each marked where an optimizer step falls;
-- ``Evaluator``: held-out prompts through the pool after chosen iterations (Lightning's validation loop).
+- ``Evaluator``: held-out prompts through the pool after chosen iterations (Lightning's validation loop);
+- ``RankShare``: under W ranks, which slots of each iteration this rank trains (from its own pool);
+- ``ResumePoint``: where a checkpoint left the current iteration, which a restored fit finishes first.
 
 In use: the README's "Components without the CLI" script (run as a script by ``tests/test_readme.py``).
 """
