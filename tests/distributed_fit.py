@@ -35,6 +35,12 @@ class RecordingPool(InProcessPool):
     def __init__(self) -> None:
         super().__init__()
         self.syncs = []
+        self.initial_dir: dict = {}
+
+    def _start(self, spec):
+        config = json.loads((Path(spec.model_dir) / "config.json").read_text())
+        self.initial_dir = {"files": sorted(p.name for p in Path(spec.model_dir).iterdir()), "architectures": config.get("architectures")}
+        super()._start(spec)
 
     def _sync_weights(self, buckets, version):
         received = []
@@ -108,6 +114,7 @@ def main() -> None:
         "world": trainer.world_size,
         "samples": recorder.samples(),
         "syncs": getattr(pool, "syncs", []),
+        "initial_dir": getattr(pool, "initial_dir", {}),
         "drawn": datamodule.schedule.cursor,
         "parameter_types": sorted({type(p).__name__ for p in module.parameters()}),
         "val": {name: float(value) for name, value in trainer.callback_metrics.items() if name.startswith("val/")},

@@ -78,6 +78,9 @@ def test_two_ranks_train_the_single_process_update_each_prompt_once(single, two_
     assert all(rank["drawn"] == ITERATIONS * 8 for rank in result["ranks"]), "the ranks' schedules moved apart"
     names = [name for name, _ in single["policy"].items()]
     shapes = {name: list(tensor.shape) for name, tensor in single["policy"].items()}
+    for rank in result["ranks"]:  # each rank's engines start from a directory of their own, as transformers writes it
+        assert {"config.json", "model.safetensors", "tokenizer.json"} <= set(rank["initial_dir"]["files"])
+        assert rank["initial_dir"]["architectures"] == ["Qwen2ForCausalLM"]
     for rank in result["ranks"]:  # each rank's pool: one sync per iteration, every tensor whole and named as in the model
         assert [sync["version"] for sync in rank["syncs"]] == list(range(ITERATIONS))
         for sync in rank["syncs"]:

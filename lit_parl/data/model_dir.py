@@ -18,7 +18,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from safetensors.torch import save_model
+import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 
@@ -39,12 +39,17 @@ class InitialModelDir:
             return str(self.model)
         if self._path is None:
             self._path = tempfile.mkdtemp(prefix="lit_parl_initial_")
-            # written file by file: under torch.distributed, `save_pretrained` writes on rank 0 only, and every
-            # rank's engines start from a directory of that rank's own (ranks may be on other machines)
-            self.model.config.save_pretrained(self._path)
-            if getattr(self.model, "generation_config", None) is not None:
-                self.model.generation_config.save_pretrained(self._path)
-            save_model(self.model, str(Path(self._path) / "model.safetensors"), metadata={"format": "pt"})
+            if torch.distributed.is_available() and torch.distributed.is_initialized():
+                # under torch.distributed `save_pretrained` writes on rank 0 only, but every rank's engines start
+                # from a directory of that rank's own (ranks may be on other machines): this rank writes too.
+                # transformers' own writer, not a copy of it: engines read its names (tied weights, architectures).
+                self.model.should_save_on_this_rank = lambda is_main_process: True  # shadows the method, once
+                try:
+                    self.model.save_pretrained(self._path)
+                finally:
+                    del self.model.should_save_on_this_rank
+            else:
+                self.model.save_pretrained(self._path)
             self.tokenizer.save_pretrained(self._path)
         return self._path
 
