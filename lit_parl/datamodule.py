@@ -214,8 +214,10 @@ class RolloutDataModule(LightningDataModule):
         """Each rank trains its ``RankShare`` of every iteration, from a pool of its own (docs/design.md, "Ranks")."""
         self.share = RankShare(self.shape, world, rank)
         if self.pool.shared_across_ranks:
-            raise NotImplementedError(
-                f"{type(self.pool).__name__} is one pool for all ranks, which a run of {world} ranks does not drive yet: "
+            # refused: every rank would push its own weights to the same servers; one rank pushing while the
+            # others wait for the confirmed version is issue 15's work
+            raise ValueError(
+                f"{type(self.pool).__name__} is one pool for all ranks, which a run of {world} ranks cannot share: "
                 "use an embedded pool (pool=hf or pool=vllm: each rank starts its own) or train on one device"
             )
         if getattr(self.objective, "dynamic_sampling", False):

@@ -67,3 +67,14 @@ def test_the_strategies_lit_parl_does_not_support_are_refused_with_the_one_to_us
         check_strategy(DeepSpeedStrategy.__new__(DeepSpeedStrategy))  # built without deepspeed installed
     check_strategy(DDPStrategy())
     check_strategy(ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1))
+
+
+def test_a_pool_shared_by_every_rank_is_refused_under_two_ranks():
+    from conftest import InProcessPool, make_components
+
+    class SharedPool(InProcessPool):
+        shared_across_ranks = True
+
+    _, datamodule = make_components(pool=SharedPool())
+    with pytest.raises(ValueError, match="SharedPool is one pool for all ranks.*pool=hf or pool=vllm"):
+        datamodule._setup_ranks(2, 0)
