@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 TORCH  ?= torch==2.13.0
 ARGS   ?=
 
-.PHONY: train test install clean
+.PHONY: train test test-slow install clean
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -20,7 +20,11 @@ train: install
 	$(VENV)/bin/lit-parl $(ARGS)
 
 test: install
-	$(PY) -m pytest -q $(ARGS)
+	$(PY) -m pytest -q -m "not slow" $(ARGS)
+
+# the multi-process strategy fits and the CLI's signal and wheel checks (several minutes): CI runs them after `make test`
+test-slow: install
+	$(PY) -m pytest -q -m slow $(ARGS)
 
 clean:
 	rm -rf $(VENV) runs outputs build dist *.egg-info

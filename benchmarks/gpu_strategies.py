@@ -1,4 +1,5 @@
-"""The strategies on the GPUs of one machine: DDP (NCCL) and FSDP2 against a one-device run on the same global batch.
+"""The strategies on the GPUs of one machine: DDP (NCCL), FSDP2 and FSDP1 (Lightning's ``fsdp``) against a one-device
+run on the same global batch.
 
 Each run is ``tests/distributed_fit.py`` (2 iterations, SGD, β > 0, 2 mini-batches; an in-process pool on the
 trainer's machine), as ``make test`` runs it on the CPU. With two or more GPUs the strategies run on two of them
@@ -44,13 +45,13 @@ def main() -> None:
         return
     world = 2 if gpus >= 2 else 1
     if world == 1:
-        print("strategies: one GPU: DDP and FSDP2 run at world size 1; sharding and the rank split were NOT exercised")
+        print("strategies: one GPU: DDP, FSDP2 and FSDP1 run at world size 1; sharding and the rank split were NOT exercised")
     single = run(out / "single", "single", 1)
     if "error" in single:
         print(f"strategies: the one-device run failed:\n{single['error']}")
         sys.exit(1)
     failed = False
-    for strategy in ("ddp", "fsdp2"):
+    for strategy in ("ddp", "fsdp2", "fsdp"):
         result = run(out / strategy, strategy, world)
         if "error" in result:
             print(f"strategies: {strategy} x{world} FAILED:\n{result['error']}")

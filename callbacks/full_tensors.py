@@ -1,11 +1,18 @@
-"""full_tensors: a module's parameters as full tensors, one at a time, whatever shards them.
+"""full_tensors: a module's parameters as full tensors, a few at a time, whatever shards them.
 
-Under DDP (or one device) a parameter is already whole. Under FSDP2 (``fully_shard``; Lightning's
-``ModelParallelStrategy``) each rank holds a shard of every parameter, a ``DTensor``: ``full_tensor()``
-gathers it. Each gather is a collective, so every rank reads the same parameters in the same order, which
-``full_tensors`` guarantees by walking ``named_parameters`` on every rank alike. A tensor is gathered only
-when the consumer asks for it, so a consumer that copies each one (a weight push, an export) holds one
-whole parameter at a time beside the shards, never a second copy of the model.
+- DDP (or one device): a parameter is already whole.
+- FSDP2 (``fully_shard``; Lightning's ``ModelParallelStrategy``): each rank holds a shard of every parameter,
+  a ``DTensor``; ``full_tensor()`` gathers one.
+- FSDP1 (``FullyShardedDataParallel`` with ``use_orig_params=True``; Lightning's ``FSDPStrategy``): a
+  rank holds a piece of each unit's flat parameter (lit_parl wraps each model as a unit, each decoder layer
+  as a unit inside it). One unit is gathered at a time (``summon_full_params(unit, recurse=False)``): the
+  peak is one unit, the model's own (embeddings, final norm, head) or one layer. Its tensors are copied
+  out, since the gathered storage is freed when the unit is sharded again.
+
+Every gather is a collective: every rank walks the same parameters in the same order, and a consumer that
+keeps nothing (a rank other than the one writing) still iterates to the end. A tensor is gathered only
+when the consumer asks for it, so one that copies each away (a weight push, an export) never holds a
+second copy of the model.
 
 Example::
 
@@ -20,14 +27,62 @@ from collections.abc import Iterator
 
 import torch
 
+FSDP1_PREFIX = "_fsdp_wrapped_module."  # what FSDP1 inserts in the names of the modules it wraps
+
+
+def _is_fsdp1(module: torch.nn.Module) -> bool:
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    return any(isinstance(m, FullyShardedDataParallel) for m in module.modules())
+
 
 def is_sharded(module: torch.nn.Module) -> bool:
     """Whether a rank holds only a piece of some parameter of ``module`` (so reading it whole takes a gather)."""
-    return any(hasattr(p, "full_tensor") for p in module.parameters())
+    return _is_fsdp1(module) or any(hasattr(p, "full_tensor") for p in module.parameters())
 
 
 def full_tensors(module: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
-    """``(name, full detached tensor)`` for every parameter of ``module``, in ``named_parameters`` order."""
+    """``(name, full detached tensor)`` for every parameter of ``module``: in ``named_parameters`` order, except
+    under FSDP1, unit by unit. Names are the model's own, FSDP1's wrapper prefix left out."""
+    if _is_fsdp1(module):
+        yield from _fsdp1_full_tensors(module)
+        return
     for name, parameter in module.named_parameters():
         tensor = parameter.detach()  # the receiver copies values: it must not hold the autograd graph's leaves
         yield name, tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
+
+
+def fsdp1_units(module: torch.nn.Module) -> list[tuple[torch.nn.Module, list[tuple[str, torch.nn.Parameter]]]]:
+    """``module``'s parameters grouped by the FSDP1 unit that owns each (its nearest wrapped ancestor), in
+    the order units are met. Names without the wrappers' prefix; a parameter shared by two modules (a tied
+    head) once, as ``named_parameters`` gives it."""
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    groups: dict[int, tuple[torch.nn.Module, list]] = {}
+    seen: set[int] = set()
+
+    def walk(node: torch.nn.Module, prefix: str, owner: torch.nn.Module | None) -> None:
+        if isinstance(node, FullyShardedDataParallel):
+            owner = node
+            groups.setdefault(id(node), (node, []))
+        for name, parameter in node.named_parameters(recurse=False):
+            if id(parameter) in seen:
+                continue
+            if owner is None:
+                raise ValueError(f"{prefix + name} belongs to no FSDP unit inside the module: wrap the model itself, not only its layers")
+            seen.add(id(parameter))
+            groups[id(owner)][1].append(((prefix + name).replace(FSDP1_PREFIX, ""), parameter))
+        for name, child in node.named_children():
+            walk(child, f"{prefix}{name}.", owner)
+
+    walk(module, "", None)
+    return [group for group in groups.values() if group[1]]
+
+
+def _fsdp1_full_tensors(module: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    for unit, parameters in fsdp1_units(module):
+        with FullyShardedDataParallel.summon_full_params(unit, recurse=False, writeback=False):
+            for name, parameter in parameters:
+                yield name, parameter.detach().clone()  # the gathered storage is freed when the unit is sharded again

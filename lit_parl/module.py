@@ -37,9 +37,11 @@ from collections.abc import Callable, Iterable
 import torch
 from lightning.pytorch import LightningModule
 from lightning.pytorch.utilities import rank_zero_warn
+from torch.distributed.fsdp import FullyShardedDataParallel
 from torchmetrics import MaxMetric, MeanMetric
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+from lit_parl.callbacks.full_tensors import is_sharded
 from lit_parl.data.shape import IterationShape
 from lit_parl.data.gate import OffPolicyError
 from lit_parl.guards import NonFiniteGuard, logprob_mismatch, off_policy_problem, worst_group_mismatch
@@ -49,7 +51,8 @@ from lit_parl.iteration_progress import IterationProgress
 from lit_parl.lean_checkpoint import fingerprint, leave_out, put_back
 from lit_parl.limits import check_memory, context_length
 from lit_parl.objectives import GRPOObjective, kl_estimate
-from lit_parl.sharding import check_strategy, shard_for_logprobs
+from lit_parl.parallel import check_strategy, clip_gradients, copy_weights
+from lit_parl.sharding import forward_through, shard_for_logprobs, wrap_for_fsdp1
 from lit_parl.trajectory import MicroBatch
 
 
@@ -155,10 +158,23 @@ class GRPOModule(LightningModule):
         self.__dict__["_sharded"] = {}
 
     # -- Lightning hooks -------------------------------------------------------------------------------
+    def setup(self, stage: str) -> None:
+        if stage == "fit":  # before the strategy wraps the module
+            check_strategy(self.trainer.strategy)
+
     def configure_model(self) -> None:
-        """Under ``ModelParallelStrategy`` (FSDP2): shard the policy, θ_k and the reference alike, over the data-parallel mesh."""
+        """Shard the policy, θ_k and the reference alike: under ``ModelParallelStrategy`` with FSDP2 over the
+        data-parallel mesh, under ``FSDPStrategy`` with FSDP1 (``lit_parl.sharding``)."""
+        from lightning.pytorch.strategies import FSDPStrategy
+
+        if self._trainer is not None and isinstance(self.trainer.strategy, FSDPStrategy):
+            if not is_sharded(self.policy):  # configure_model may run again (a second fit): wrap once
+                self.policy = wrap_for_fsdp1(self.policy)
+                self.old = wrap_for_fsdp1(self.old) if self.old is not None else None
+                self.reference = wrap_for_fsdp1(self.reference) if self.reference is not None else None
+            return
         if self._device_mesh is None or self._sharded:
-            return  # no mesh: DDP, FSDP or DeepSpeed wrap the module themselves (or one device)
+            return  # no mesh: DDP wraps the module itself (or one device)
         mesh = self._device_mesh
         if "tensor_parallel" in mesh.mesh_dim_names and mesh["tensor_parallel"].size() > 1:
             raise ValueError("lit_parl shards with FSDP2 only: give ModelParallelStrategy(tensor_parallel_size=1, data_parallel_size=<devices>)")
@@ -185,12 +201,11 @@ class GRPOModule(LightningModule):
                 "Use precision='bf16-mixed' or '32-true'."
             )
         self._backend = resolve_backend(self.attention_backend, self.device)
-        check_strategy(self.trainer.strategy)
 
     def on_train_epoch_start(self) -> None:
         self.progress.start_iteration()
         if self.old is not None:  # θ_k exactly: the weights the pool generates this iteration with
-            self.old.load_state_dict(self.policy.state_dict())
+            copy_weights(self.policy, self.old)
         self._normaliser, self._loss_sum = 0.0, 0.0
         self.train_intervals = []
 
@@ -228,6 +243,9 @@ class GRPOModule(LightningModule):
         sharded = self._sharded.get(id(model))
         if sharded is not None:  # FSDP2: through the root unit, which gathers what the kernel reads
             return sharded(batch.tokens, self.temperature, self.logprob_chunk_size, with_entropy)
+        if isinstance(model, FullyShardedDataParallel):  # FSDP1: as the root unit's forward
+            compute = functools.partial(completion_logprobs, model.module, batch.tokens, self.temperature, self.logprob_chunk_size, with_entropy)
+            return forward_through(model, compute)
         return completion_logprobs(model, batch.tokens, self.temperature, self.logprob_chunk_size, with_entropy)
 
     def kl_in_reward_advantages(self, batch: MicroBatch, old_logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
@@ -328,10 +346,7 @@ class GRPOModule(LightningModule):
             for parameter in self.policy.parameters():
                 if parameter.grad is not None:
                     parameter.grad.mul_(scale)
-        parameters = [p for p in self.policy.parameters() if p.grad is not None]
-        grad_norm = torch.nn.utils.clip_grad_norm_(parameters, self.max_grad_norm if self.max_grad_norm else float("inf"))
-        if hasattr(grad_norm, "full_tensor"):  # FSDP2: the norm over every rank's shards, as a DTensor
-            grad_norm = grad_norm.full_tensor()
+        grad_norm = clip_gradients(self.policy, self.max_grad_norm)
         if not self.guard.step_is_finite(grad_norm, flagged_elsewhere=flagged > float(self.guard.pending)):
             optimizer.zero_grad(set_to_none=True)
             rank_zero_warn(f"optimizer step skipped (module.on_nonfinite=skip; {self.guard.skipped_steps} so far): {self.guard.last_problem}")
@@ -350,7 +365,7 @@ class GRPOModule(LightningModule):
         self.progress.save(checkpoint)  # a checkpoint between micro-batches of a step resumes from that step's start
         # inside an iteration θ_k is kept: a resume pushes it to the pool and trains the rest of the iteration against
         # it. Under FSDP2 nothing is left out: its loader fills the module's every key before this module sees the file.
-        leave_out(checkpoint, self._reference_fingerprint, inside_iteration=self.progress.inside, keep_all=bool(self._sharded))
+        leave_out(checkpoint, self._reference_fingerprint, inside_iteration=self.progress.inside, keep_all=is_sharded(self.policy))
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
         if "lit_parl_nonfinite" in checkpoint:  # checkpoints written before the guard existed have none
@@ -362,5 +377,5 @@ class GRPOModule(LightningModule):
         # restored between iterations: θ_k is the policy (Lightning skips the epoch's start when the checkpoint came
         # after its last batch, and a sharded checkpoint holds the previous iteration's θ_k)
         if self.progress.retake_snapshot and self.old is not None:
-            self.old.load_state_dict(self.policy.state_dict())
+            copy_weights(self.policy, self.old)
         self.progress.retake_snapshot = False

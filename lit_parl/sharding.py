@@ -1,4 +1,4 @@
-"""FSDP2 sharding of a causal LM for lit_parl's forward (Lightning's ``ModelParallelStrategy``).
+"""FSDP2 and FSDP1 sharding of a causal LM for lit_parl's forward.
 
 lit_parl does not call the model's ``forward``: it runs the decoder, then its own chunked log-prob kernel
 over the LM head's weight (``lit_parl.kernels.forward``). FSDP2 gathers a unit's parameters around a
@@ -6,6 +6,11 @@ module's ``forward``, so each decoder layer is a unit of its own (gathered in th
 the rest (embeddings, final norm, LM head, tied or not) belongs to a root unit around ``ShardedLogprobs``,
 a module whose forward is that whole computation: the head's weight is whole while the kernel reads it,
 and its gradient is reduce-scattered (averaged over ranks) with the others after backward.
+
+FSDP1 (Lightning's ``FSDPStrategy``) lays the units out alike: ``wrap_for_fsdp1`` wraps each decoder layer
+and then the model itself (the root unit, which keeps the model's names in state dicts), and
+``forward_through`` runs the log-prob computation as that root's forward, so FSDP1 gathers what it reads.
+The LightningModule stays unwrapped, so a backward never runs inside a unit's forward.
 
 Example (one process, a mesh of one: the layout of a W-rank run, without the other ranks)::
 
@@ -39,6 +44,13 @@ class ShardedLogprobs(torch.nn.Module):
         return completion_logprobs(self.model, tokens, temperature, chunk_size, with_entropy)
 
 
+def _layers(model: PreTrainedModel) -> torch.nn.ModuleList:
+    layers = getattr(model.get_decoder(), "layers", None)
+    if layers is None:
+        raise ValueError(f"{type(model).__name__} has no decoder `layers` to shard one by one (Llama, Qwen2/3, Mistral families)")
+    return layers
+
+
 def shard_for_logprobs(model: PreTrainedModel, mesh, frozen: bool = False) -> ShardedLogprobs:
     """Shard ``model`` in place over ``mesh`` (its parameters become DTensors) and return the module to call.
 
@@ -47,27 +59,34 @@ def shard_for_logprobs(model: PreTrainedModel, mesh, frozen: bool = False) -> Sh
     """
     from torch.distributed.fsdp import fully_shard
 
-    layers = getattr(model.get_decoder(), "layers", None)
-    if layers is None:
-        raise ValueError(f"{type(model).__name__} has no decoder `layers` to shard one by one (Llama, Qwen2/3, Mistral families)")
-    for layer in layers:
+    for layer in _layers(model):
         fully_shard(layer, mesh=mesh)
     return fully_shard(ShardedLogprobs(model), mesh=mesh, reshard_after_forward=True if frozen else None)
 
 
-def check_strategy(strategy) -> None:
-    """Refuse the Lightning strategies lit_parl's update has not been made to work under, naming the ones it has."""
-    from lightning.pytorch.strategies import DeepSpeedStrategy, FSDPStrategy
 
-    if isinstance(strategy, FSDPStrategy):
-        raise ValueError(
-            "Trainer(strategy='fsdp') (FSDP1) is not supported: it flattens parameters into shards that lit_parl's weight "
-            "sync, gradient clipping and frozen θ_k/reference copies do not read. lit_parl shards with FSDP2: trainer=fsdp2 "
-            "(lightning.pytorch.strategies.ModelParallelStrategy(data_parallel_size=<devices>, tensor_parallel_size=1))"
-        )
-    if isinstance(strategy, DeepSpeedStrategy):
-        raise ValueError(
-            "Trainer(strategy='deepspeed') is not supported: lit_parl divides each mini-batch's gradient by a normaliser "
-            "known only once all its streamed micro-batches are in, and ZeRO keeps gradients in partitioned buffers the "
-            "module cannot scale. Use trainer=fsdp2 (sharded) or trainer=ddp."
-        )
+def wrap_for_fsdp1(model: PreTrainedModel) -> torch.nn.Module:
+    """Wrap ``model`` with FSDP1: each decoder layer a unit, the model the root unit. Call it inside Lightning's
+    ``configure_model`` under ``FSDPStrategy``, whose wrapping context supplies the strategy's settings."""
+    from torch.distributed.fsdp.wrap import ModuleWrapPolicy, wrap
+
+    return wrap(model, auto_wrap_policy=ModuleWrapPolicy({type(layer) for layer in _layers(model)}))
+
+
+def forward_through(wrapper: torch.nn.Module, compute):
+    """``compute()`` run as the forward of FSDP1 unit ``wrapper``, whose parameters are whole while it runs.
+
+    The wrapped module's ``forward`` is swapped for ``compute`` for that one call (no arguments pass through
+    FSDP, which would move and cast them).
+    """
+    inner = wrapper.module
+    had_own = "forward" in inner.__dict__
+    original = inner.forward
+    inner.forward = lambda: compute()
+    try:
+        return wrapper()
+    finally:
+        if had_own:
+            inner.forward = original
+        else:
+            del inner.forward

@@ -82,10 +82,11 @@ def policy_state(module: GRPOModule) -> dict[str, torch.Tensor]:
     return {k: v.detach().clone() for k, v in module.policy.state_dict().items()}
 
 
-def sgd(lr: float) -> dict:
+def sgd(lr: float, momentum: float = 0.0) -> dict:
     """``make_components`` keywords for plain SGD without clipping: the update is exactly -lr x gradient, so a
-    wrong gradient scale shows in the weights (AdamW's normalised step and norm clipping would hide it)."""
-    return {"optimizer": functools.partial(torch.optim.SGD, lr=lr), "max_grad_norm": None}
+    wrong gradient scale shows in the weights (AdamW's normalised step and norm clipping would hide it).
+    ``momentum`` keeps that linearity and gives the optimizer a state that a resume must restore."""
+    return {"optimizer": functools.partial(torch.optim.SGD, lr=lr, momentum=momentum), "max_grad_norm": None}
 
 
 class BatchRecorder(Callback):

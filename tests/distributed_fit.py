@@ -10,6 +10,7 @@ this file again. Each rank writes what it trained, what its pool received and th
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import signal
@@ -63,7 +64,27 @@ class DieAt(Callback):
             os.kill(os.getpid(), signal.SIGKILL)
 
 
-def strategy(name: str, devices: int):
+class CPUFSDPStrategy(lightning.pytorch.strategies.FSDPStrategy):
+    """Lightning's FSDP1 strategy on the CPU. Lightning refuses the name 'fsdp' (and FSDPStrategy itself) with
+    accelerator='cpu', and its wrapping context passes FSDP ``device_id=None`` there, which torch's FSDP1
+    reads as "find an accelerator". torch's FSDP1 runs on the CPU (gloo) given ``device_id=cpu``: this is
+    Lightning's context with that one argument; everything else is the strategy's own code."""
+
+    @contextlib.contextmanager
+    def model_sharded_context(self):
+        from torch.distributed.fsdp import FullyShardedDataParallel
+        from torch.distributed.fsdp.wrap import enable_wrap
+
+        with enable_wrap(
+            wrapper_cls=FullyShardedDataParallel, cpu_offload=self.cpu_offload, mixed_precision=self.mixed_precision_config,
+            sharding_strategy=self.sharding_strategy, device_id=torch.device("cpu"), **self.kwargs,
+        ):
+            yield
+
+
+def strategy(name: str, devices: int, accelerator: str):
+    if name == "fsdp":
+        return lightning.pytorch.strategies.FSDPStrategy() if accelerator != "cpu" else CPUFSDPStrategy(state_dict_type="sharded")
     if name == "ddp":
         return lightning.pytorch.strategies.DDPStrategy()  # gloo on the CPU, NCCL on CUDA
     if name == "fsdp2":
@@ -73,7 +94,7 @@ def strategy(name: str, devices: int):
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--strategy", default="single", choices=("single", "ddp", "fsdp2"))
+    parser.add_argument("--strategy", default="single", choices=("single", "ddp", "fsdp2", "fsdp"))
     parser.add_argument("--devices", type=int, default=1)
     parser.add_argument("--accelerator", default="cpu")
     parser.add_argument("--out", required=True)
@@ -90,7 +111,7 @@ def main() -> None:
     objective = GRPOObjective(beta=0.04, dynamic_sampling=args.dynamic)
     pool = HFRolloutPool(num_workers=1, threads_per_worker=1, prompts_per_request=2, colocated_threads=1) if args.die is not None else RecordingPool()
     module, datamodule = make_components(
-        args.mode, pool=pool, prompts=8, group_size=4, micro_batch_size=4, mini_batches=2, objective=objective, **sgd(0.5),
+        args.mode, pool=pool, prompts=8, group_size=4, micro_batch_size=4, mini_batches=2, objective=objective, **sgd(0.5, momentum=0.5),
         datamodule_kwargs={"evaluation": {"every_n_iterations": 1, "prompts": 4}} if args.eval else None,
     )
     recorder = BatchRecorder()
@@ -98,7 +119,7 @@ def main() -> None:
     if args.save_every_step:
         callbacks.append(ModelCheckpoint(dirpath=args.save_every_step, filename="{step}", every_n_train_steps=1, save_top_k=-1))
     trainer = lightning.Trainer(
-        accelerator=args.accelerator, devices=args.devices, strategy=strategy(args.strategy, args.devices), max_epochs=args.iterations,
+        accelerator=args.accelerator, devices=args.devices, strategy=strategy(args.strategy, args.devices, args.accelerator), max_epochs=args.iterations,
         callbacks=callbacks, logger=False, enable_checkpointing=bool(args.save_every_step), enable_progress_bar=False,
         enable_model_summary=False, num_sanity_val_steps=0,
     )
@@ -117,6 +138,8 @@ def main() -> None:
         "initial_dir": getattr(pool, "initial_dir", {}),
         "drawn": datamodule.schedule.cursor,
         "parameter_types": sorted({type(p).__name__ for p in module.parameters()}),
+        "policy_numel_held": sum((p.to_local() if hasattr(p, "to_local") else p).numel() for p in module.policy.parameters()),
+        "grad_norm": float(trainer.callback_metrics["grad_norm"]),  # the last iteration's, over every rank's gradient
         "val": {name: float(value) for name, value in trainer.callback_metrics.items() if name.startswith("val/")},
     }
     (out / f"rank{rank}.json").write_text(json.dumps(record))

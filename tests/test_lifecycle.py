@@ -239,6 +239,7 @@ def _wait_for_worker(proc: subprocess.Popen, log_path: Path, timeout_s: float = 
     pytest.fail(f"no rollout worker child of lit-parl within {timeout_s:.0f} s:\n{_tail(log_path)}")
 
 
+@pytest.mark.slow  # make test-slow
 @pytest.mark.parametrize(
     "signum, to_group",
     [
@@ -270,6 +271,7 @@ def test_cli_signal_shuts_down_cleanly(tmp_path, signum, to_group):
         )
 
 
+@pytest.mark.slow  # make test-slow
 def test_cli_sigkill_takes_the_worker_down(tmp_path):
     with _cli(tmp_path) as (proc, log_path, seen):
         worker = _wait_for_worker(proc, log_path)
@@ -395,6 +397,7 @@ _WHEEL_CHECK = textwrap.dedent(
 )
 
 
+@pytest.mark.slow  # make test-slow
 def test_wheel_ships_subpackages_and_configs(tmp_path):
     source, dist, site = tmp_path / "src", tmp_path / "dist", tmp_path / "site"
     _copy_sources(source)

@@ -58,11 +58,15 @@ def test_sharded_logprobs_equal_the_models_and_frozen_models_are_resharded(mesh)
 
 def test_the_strategies_lit_parl_does_not_support_are_refused_with_the_one_to_use():
     from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy, FSDPStrategy, ModelParallelStrategy
+    from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 
-    from lit_parl.sharding import check_strategy
+    from lit_parl.parallel import check_strategy
 
-    with pytest.raises(ValueError, match=r"FSDP1.*trainer=fsdp2"):
-        check_strategy(FSDPStrategy())
+    with pytest.raises(ValueError, match=r"use_orig_params=False.*default"):
+        check_strategy(FSDPStrategy(use_orig_params=False))
+    with pytest.raises(ValueError, match=r"auto_wrap_policy.*leave auto_wrap_policy unset"):
+        check_strategy(FSDPStrategy(auto_wrap_policy=ModuleWrapPolicy({torch.nn.Linear})))
+    check_strategy(FSDPStrategy())
     with pytest.raises(ValueError, match=r"deepspeed.*normaliser.*trainer=fsdp2"):
         check_strategy(DeepSpeedStrategy.__new__(DeepSpeedStrategy))  # built without deepspeed installed
     check_strategy(DDPStrategy())
