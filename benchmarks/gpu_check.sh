@@ -16,7 +16,8 @@ else
 fi
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv 2>&1 | tee "$OUT/nvidia_smi.txt"
 timeout 420 "$PY" benchmarks/gpu_check.py --out "$OUT" 2>&1 | tee "$OUT/gpu_check.log"
-# DDP (NCCL) and FSDP2 on two GPUs (or at world size 1 on one, saying so) against a one-device run
-timeout 300 "$PY" benchmarks/gpu_strategies.py --out "$OUT" 2>&1 | tee "$OUT/gpu_strategies.log"
+# DDP (NCCL), FSDP2, FSDP1 and DeepSpeed ZeRO-2/3 on two GPUs (or at world size 1 on one, saying so) against a
+# one-device run; DeepSpeed needs its wheel (pip wheel deepspeed==0.19.8 into .whl: a pure-Python build)
+timeout 420 "$PY" benchmarks/gpu_strategies.py --out "$OUT" 2>&1 | tee "$OUT/gpu_strategies.log"
 # SGLang: only where it is importable (a user's GPU box; the lent device has no sglang). Logs `skipped` otherwise.
 timeout 600 "$PY" benchmarks/gpu_check_sglang.py --out "$OUT" 2>&1 | tee "$OUT/gpu_check_sglang.log"

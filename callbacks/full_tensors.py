@@ -8,6 +8,8 @@
   as a unit inside it). One unit is gathered at a time (``summon_full_params(unit, recurse=False)``): the
   peak is one unit, the model's own (embeddings, final norm, head) or one layer. Its tensors are copied
   out, since the gathered storage is freed when the unit is sharded again.
+- DeepSpeed ZeRO-3: a rank holds a piece of every parameter (``ds_tensor``); each is gathered in turn
+  (``deepspeed.zero.GatheredParameters``) and copied out. ZeRO-2 keeps parameters whole.
 
 Every gather is a collective: every rank walks the same parameters in the same order, and a consumer that
 keeps nothing (a rank other than the one writing) still iterates to the end. A tensor is gathered only
@@ -38,7 +40,7 @@ def _is_fsdp1(module: torch.nn.Module) -> bool:
 
 def is_sharded(module: torch.nn.Module) -> bool:
     """Whether a rank holds only a piece of some parameter of ``module`` (so reading it whole takes a gather)."""
-    return _is_fsdp1(module) or any(hasattr(p, "full_tensor") for p in module.parameters())
+    return _is_fsdp1(module) or any(hasattr(p, "full_tensor") or hasattr(p, "ds_id") for p in module.parameters())
 
 
 def full_tensors(module: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
@@ -48,6 +50,12 @@ def full_tensors(module: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
         yield from _fsdp1_full_tensors(module)
         return
     for name, parameter in module.named_parameters():
+        if hasattr(parameter, "ds_id"):  # ZeRO-3
+            import deepspeed
+
+            with deepspeed.zero.GatheredParameters([parameter], modifier_rank=None):
+                yield name, parameter.detach().clone()  # the gathered storage is freed when it is partitioned again
+            continue
         tensor = parameter.detach()  # the receiver copies values: it must not hold the autograd graph's leaves
         yield name, tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
 

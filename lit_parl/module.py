@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import math
 import time
 import warnings
 from collections.abc import Callable, Iterable
@@ -51,8 +52,8 @@ from lit_parl.iteration_progress import IterationProgress
 from lit_parl.lean_checkpoint import fingerprint, leave_out, put_back
 from lit_parl.limits import check_memory, context_length
 from lit_parl.objectives import GRPOObjective, kl_estimate
-from lit_parl.parallel import check_strategy, clip_gradients, copy_weights
-from lit_parl.sharding import forward_through, shard_for_logprobs, wrap_for_fsdp1
+from lit_parl.parallel import clip_gradients, copy_weights, deepspeed_engine, deepspeed_step, is_zero3, prepare_strategy
+from lit_parl.sharding import forward_through, gather_head_with_model, partition_for_zero3, shard_for_logprobs, wrap_for_fsdp1
 from lit_parl.trajectory import MicroBatch
 
 
@@ -156,22 +157,39 @@ class GRPOModule(LightningModule):
         # FSDP2: the module that computes each model's log-probs (its root unit); kept out of the module tree
         # (and the state dict), which holds the models themselves
         self.__dict__["_sharded"] = {}
+        self._zero3 = False  # DeepSpeed ZeRO-3 partitions the models (known once the engine is built)
 
     # -- Lightning hooks -------------------------------------------------------------------------------
     def setup(self, stage: str) -> None:
-        if stage == "fit":  # before the strategy wraps the module
-            check_strategy(self.trainer.strategy)
+        if stage != "fit":
+            return
+        # before the strategy wraps the module
+        if str(self.trainer.precision).startswith("16"):
+            raise ValueError(
+                f"Trainer(precision={self.trainer.precision!r}) is not supported: float16 needs a loss scaler, which the "
+                "manual optimizer step (gradient normalised per mini-batch, non-finite steps skipped) does not run. "
+                "Use precision='bf16-mixed' or '32-true'."
+            )
+        prepare_strategy(self.trainer.strategy, self.max_grad_norm, self.shape.micro_batch_size)
 
     def configure_model(self) -> None:
         """Shard the policy, θ_k and the reference alike: under ``ModelParallelStrategy`` with FSDP2 over the
-        data-parallel mesh, under ``FSDPStrategy`` with FSDP1 (``lit_parl.sharding``)."""
-        from lightning.pytorch.strategies import FSDPStrategy
+        data-parallel mesh, under ``FSDPStrategy`` with FSDP1, under DeepSpeed ZeRO-3 into its partitions
+        (``lit_parl.sharding``)."""
+        from lightning.pytorch.strategies import DeepSpeedStrategy, FSDPStrategy
 
-        if self._trainer is not None and isinstance(self.trainer.strategy, FSDPStrategy):
+        strategy = self._trainer.strategy if self._trainer is not None else None
+        if isinstance(strategy, FSDPStrategy):
             if not is_sharded(self.policy):  # configure_model may run again (a second fit): wrap once
-                self.policy = wrap_for_fsdp1(self.policy)
-                self.old = wrap_for_fsdp1(self.old) if self.old is not None else None
-                self.reference = wrap_for_fsdp1(self.reference) if self.reference is not None else None
+                sharding = strategy.sharding_strategy
+                self.policy = wrap_for_fsdp1(self.policy, sharding)
+                self.old = wrap_for_fsdp1(self.old, sharding, frozen=True) if self.old is not None else None
+                self.reference = wrap_for_fsdp1(self.reference, sharding, frozen=True) if self.reference is not None else None
+            return
+        if isinstance(strategy, DeepSpeedStrategy) and strategy.zero_stage_3:
+            for model in (self.policy, self.old, self.reference):
+                if model is not None:
+                    partition_for_zero3(model, strategy.config)
             return
         if self._device_mesh is None or self._sharded:
             return  # no mesh: DDP wraps the module itself (or one device)
@@ -194,13 +212,12 @@ class GRPOModule(LightningModule):
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
     def on_fit_start(self) -> None:
-        if str(self.trainer.precision).startswith("16"):
-            raise ValueError(
-                f"Trainer(precision={self.trainer.precision!r}) is not supported: float16 needs a loss scaler, which the "
-                "manual optimizer step (gradient normalised per mini-batch, non-finite steps skipped) does not run. "
-                "Use precision='bf16-mixed' or '32-true'."
-            )
         self._backend = resolve_backend(self.attention_backend, self.device)
+        if is_zero3(next(self.policy.parameters())) and not self._zero3:  # DeepSpeed has partitioned the models by now
+            for model in (self.policy, self.old, self.reference):
+                if model is not None:
+                    gather_head_with_model(model)
+            self._zero3 = True
 
     def on_train_epoch_start(self) -> None:
         self.progress.start_iteration()
@@ -243,8 +260,9 @@ class GRPOModule(LightningModule):
         sharded = self._sharded.get(id(model))
         if sharded is not None:  # FSDP2: through the root unit, which gathers what the kernel reads
             return sharded(batch.tokens, self.temperature, self.logprob_chunk_size, with_entropy)
-        if isinstance(model, FullyShardedDataParallel):  # FSDP1: as the root unit's forward
-            compute = functools.partial(completion_logprobs, model.module, batch.tokens, self.temperature, self.logprob_chunk_size, with_entropy)
+        if isinstance(model, FullyShardedDataParallel) or self._zero3:  # FSDP1, ZeRO-3: as the model's forward
+            inner = model.module if isinstance(model, FullyShardedDataParallel) else model
+            compute = functools.partial(completion_logprobs, inner, batch.tokens, self.temperature, self.logprob_chunk_size, with_entropy)
             return forward_through(model, compute)
         return completion_logprobs(model, batch.tokens, self.temperature, self.logprob_chunk_size, with_entropy)
 
@@ -282,6 +300,9 @@ class GRPOModule(LightningModule):
             self._off_policy = off_policy_problem(worst, prompt_id, batch.logprob_tolerance, batch.version)
         # Backward even now: under DDP every rank must join each backward's gradient reduction. Both checks
         # are decided at the optimizer step, on every rank at once, before any weight moves.
+        engine = deepspeed_engine(self._trainer)
+        if engine is not None:  # DeepSpeed reduces the gradient at the step's last backward only
+            engine.set_gradient_accumulation_boundary(batch.ends_step)
         self.manual_backward(terms.loss_sum)
         self.progress.micro_batch()
         self._normaliser += float(terms.normaliser)
@@ -341,23 +362,35 @@ class GRPOModule(LightningModule):
         self._normaliser, self._loss_sum = 0.0, 0.0
         if off_policy > 0:
             raise OffPolicyError(self._off_policy or "another rank's rollout log-probs differ from θ_k's beyond datamodule.logprob_tolerance")
-        if total > 0:
-            scale = world / total
+        scale = world / total if total > 0 else 1.0  # gradients are averaged over ranks; the normaliser spans them all
+        flagged_elsewhere = flagged > float(self.guard.pending)
+        engine = deepspeed_engine(self._trainer)
+        if engine is None:
             for parameter in self.policy.parameters():
                 if parameter.grad is not None:
                     parameter.grad.mul_(scale)
-        grad_norm = clip_gradients(self.policy, self.max_grad_norm)
-        if not self.guard.step_is_finite(grad_norm, flagged_elsewhere=flagged > float(self.guard.pending)):
-            optimizer.zero_grad(set_to_none=True)
-            rank_zero_warn(f"optimizer step skipped (module.on_nonfinite=skip; {self.guard.skipped_steps} so far): {self.guard.last_problem}")
-            return
-        optimizer.step()
+            grad_norm = clip_gradients(self.policy, self.max_grad_norm)
+            if not self.guard.step_is_finite(grad_norm, flagged_elsewhere=flagged_elsewhere):
+                return self._skip_step(optimizer)
+            optimizer.step()
+        else:  # DeepSpeed scales and clips its partitioned gradient at its step, and skips a step that is not finite
+            if flagged > 0:  # recorded (or raised) here; skipped by DeepSpeed's own step, which also clears its buffers
+                self.guard.step_is_finite(torch.zeros(()), flagged_elsewhere=flagged_elsewhere)
+                deepspeed_step(engine, optimizer, math.nan)
+                return self._skip_step(optimizer)
+            grad_norm = deepspeed_step(engine, optimizer, scale)
+            if not self.guard.step_is_finite(grad_norm):
+                return self._skip_step(optimizer)
         optimizer.zero_grad(set_to_none=True)
         scheduler = self.lr_schedulers()
         if scheduler is not None:
             scheduler.step()
         self.metrics["grad_norm"].update(grad_norm)
         self.log("loss", loss_sum / max(total, 1e-12), on_step=False, on_epoch=True, batch_size=1)
+
+    def _skip_step(self, optimizer) -> None:
+        optimizer.zero_grad(set_to_none=True)
+        rank_zero_warn(f"optimizer step skipped (module.on_nonfinite=skip; {self.guard.skipped_steps} so far): {self.guard.last_problem}")
 
     # -- checkpoints -----------------------------------------------------------------------------------
     def on_save_checkpoint(self, checkpoint: dict) -> None:

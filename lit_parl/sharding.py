@@ -7,6 +7,10 @@ the rest (embeddings, final norm, LM head, tied or not) belongs to a root unit a
 a module whose forward is that whole computation: the head's weight is whole while the kernel reads it,
 and its gradient is reduce-scattered (averaged over ranks) with the others after backward.
 
+DeepSpeed ZeRO-3 gathers a module's own parameters around its forward; the LM head's weight is read
+after the decoder's forward, outside the head's own: ``gather_head_with_model`` makes it a parameter the
+model's forward gathers, and the kernel runs as the model's forward (``forward_through``).
+
 FSDP1 (Lightning's ``FSDPStrategy``) lays the units out alike: ``wrap_for_fsdp1`` wraps each decoder layer
 and then the model itself (the root unit, which keeps the model's names in state dicts), and
 ``forward_through`` runs the log-prob computation as that root's forward, so FSDP1 gathers what it reads.
@@ -65,28 +69,58 @@ def shard_for_logprobs(model: PreTrainedModel, mesh, frozen: bool = False) -> Sh
 
 
 
-def wrap_for_fsdp1(model: PreTrainedModel) -> torch.nn.Module:
+def wrap_for_fsdp1(model: PreTrainedModel, sharding_strategy=None, frozen: bool = False) -> torch.nn.Module:
     """Wrap ``model`` with FSDP1: each decoder layer a unit, the model the root unit. Call it inside Lightning's
-    ``configure_model`` under ``FSDPStrategy``, whose wrapping context supplies the strategy's settings."""
+    ``configure_model`` under ``FSDPStrategy``, whose wrapping context supplies the strategy's settings.
+
+    ``frozen``: a model only run without gradients (θ_k, the reference). Where the strategy's
+    ``sharding_strategy`` keeps a unit's parameters gathered from its forward to its backward
+    (``SHARD_GRAD_OP``), such a model would stay whole on every rank, having no backward: its units are
+    sharded again after each forward instead.
+    """
+    from torch.distributed.fsdp import ShardingStrategy
     from torch.distributed.fsdp.wrap import ModuleWrapPolicy, wrap
 
-    return wrap(model, auto_wrap_policy=ModuleWrapPolicy({type(layer) for layer in _layers(model)}))
+    resharded = {ShardingStrategy.SHARD_GRAD_OP: ShardingStrategy.FULL_SHARD,
+                 ShardingStrategy._HYBRID_SHARD_ZERO2: ShardingStrategy.HYBRID_SHARD}
+    overrides = {"sharding_strategy": resharded[sharding_strategy]} if frozen and sharding_strategy in resharded else {}
+    return wrap(model, auto_wrap_policy=ModuleWrapPolicy({type(layer) for layer in _layers(model)}), **overrides)
 
 
-def forward_through(wrapper: torch.nn.Module, compute):
-    """``compute()`` run as the forward of FSDP1 unit ``wrapper``, whose parameters are whole while it runs.
+def forward_through(module: torch.nn.Module, compute):
+    """``compute()`` run as the forward of ``module`` (an FSDP1 unit, or a model under ZeRO-3), so that the
+    strategy's hooks around that forward gather the parameters it reads, and again for its backward.
 
-    The wrapped module's ``forward`` is swapped for ``compute`` for that one call (no arguments pass through
-    FSDP, which would move and cast them).
+    The (wrapped) module's ``forward`` is swapped for ``compute`` for that one call (no arguments pass
+    through the hooks, which would move and cast them).
     """
-    inner = wrapper.module
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    inner = module.module if isinstance(module, FullyShardedDataParallel) else module
     had_own = "forward" in inner.__dict__
     original = inner.forward
     inner.forward = lambda: compute()
     try:
-        return wrapper()
+        return module()
     finally:
         if had_own:
             inner.forward = original
         else:
             del inner.forward
+
+
+def gather_head_with_model(model: PreTrainedModel) -> None:
+    """Under ZeRO-3, after DeepSpeed has partitioned ``model``: have its forward (and backward) gather the LM
+    head's parameters, which the log-prob kernel reads directly (``deepspeed.zero.register_external_parameter``)."""
+    import deepspeed
+
+    for parameter in model.get_output_embeddings().parameters(recurse=False):
+        deepspeed.zero.register_external_parameter(model, parameter)
+
+
+def partition_for_zero3(model: PreTrainedModel, config: dict) -> None:
+    """Partition ``model``'s parameters for DeepSpeed ZeRO-3 in place, where they are (a model built before the
+    fit, outside ``deepspeed.zero.Init``): DeepSpeed would otherwise move it whole to the device first."""
+    import deepspeed
+
+    deepspeed.zero.Init(module=model, config_dict_or_path=config)

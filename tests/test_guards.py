@@ -178,13 +178,13 @@ def test_a_non_finite_gradient_with_a_finite_loss_is_caught_at_the_step():
         fit(module, data, iterations=2, callbacks=[Overflow()])
 
 
-def test_a_float16_trainer_is_refused_at_fit_start():
+def test_a_float16_trainer_is_refused_before_the_strategy_sets_up():
     from types import SimpleNamespace
 
     module, _ = make_components(pool=InProcessPool())
     module._trainer = SimpleNamespace(precision="16-mixed")
     with pytest.raises(ValueError, match=r"precision='16-mixed'\) is not supported: float16 needs a loss scaler"):
-        module.on_fit_start()
+        module.setup("fit")
 
 
 def test_a_nan_that_does_not_go_away_stops_the_run_after_max_consecutive_skips():

@@ -56,21 +56,35 @@ def test_sharded_logprobs_equal_the_models_and_frozen_models_are_resharded(mesh)
     assert type(head.grad).__name__ == "DTensor" and float(head.grad.full_tensor().abs().sum()) > 0, "the LM head got no gradient"
 
 
-def test_the_strategies_lit_parl_does_not_support_are_refused_with_the_one_to_use():
+def test_the_strategy_settings_lit_parl_cannot_run_under_are_refused_with_the_one_to_use():
     from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy, FSDPStrategy, ModelParallelStrategy
     from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 
-    from lit_parl.parallel import check_strategy
+    from lit_parl.parallel import prepare_strategy
+
+    def prepare(strategy, max_grad_norm=1.0):
+        prepare_strategy(strategy, max_grad_norm, micro_batch_size=4)
+        return strategy
 
     with pytest.raises(ValueError, match=r"use_orig_params=False.*default"):
-        check_strategy(FSDPStrategy(use_orig_params=False))
+        prepare(FSDPStrategy(use_orig_params=False))
     with pytest.raises(ValueError, match=r"auto_wrap_policy.*leave auto_wrap_policy unset"):
-        check_strategy(FSDPStrategy(auto_wrap_policy=ModuleWrapPolicy({torch.nn.Linear})))
-    check_strategy(FSDPStrategy())
-    with pytest.raises(ValueError, match=r"deepspeed.*normaliser.*trainer=fsdp2"):
-        check_strategy(DeepSpeedStrategy.__new__(DeepSpeedStrategy))  # built without deepspeed installed
-    check_strategy(DDPStrategy())
-    check_strategy(ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1))
+        prepare(FSDPStrategy(auto_wrap_policy=ModuleWrapPolicy({torch.nn.Linear})))
+    with pytest.raises(ValueError, match=r"ZeRO stage 1.*stages 2 and 3"):
+        prepare(DeepSpeedStrategy(stage=1))
+    with pytest.raises(ValueError, match=r"clips gradients at 0.5.*max_grad_norm=1.0.*remove gradient_clipping"):
+        prepare(DeepSpeedStrategy(config={"zero_optimization": {"stage": 2}, "gradient_clipping": 0.5}))
+    with pytest.raises(ValueError, match=r"check_grad_overflow or zero_optimization.compute_grad_norm"):
+        prepare(DeepSpeedStrategy(config={"zero_optimization": {"stage": 2}, "bf16": {"enabled": True, "check_grad_overflow": False}}))
+    # FSDP1 under bf16: parameters in bf16, but buffers (RoPE's inv_freq) and the ranks' gradient sums in float32
+    from lightning.pytorch.plugins.precision import FSDPPrecision
+
+    mixed = prepare(FSDPStrategy(precision_plugin=FSDPPrecision("bf16-mixed"))).mixed_precision_config
+    assert (mixed.param_dtype, mixed.reduce_dtype, mixed.buffer_dtype) == (torch.bfloat16, torch.float32, torch.float32)
+    config = prepare(DeepSpeedStrategy(stage=3), max_grad_norm=None).config  # the module's settings, given to DeepSpeed
+    assert config["gradient_clipping"] == 0.0 and config["train_micro_batch_size_per_gpu"] == 4
+    for strategy in (FSDPStrategy(), DDPStrategy(), ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1)):
+        prepare(strategy)
 
 
 def test_a_pool_shared_by_every_rank_is_refused_under_two_ranks():
@@ -82,3 +96,28 @@ def test_a_pool_shared_by_every_rank_is_refused_under_two_ranks():
     _, datamodule = make_components(pool=SharedPool())
     with pytest.raises(ValueError, match="SharedPool is one pool for all ranks.*pool=hf or pool=vllm"):
         datamodule._setup_ranks(2, 0)
+
+
+@pytest.mark.parametrize("preset, expected", [
+    ("fsdp", {"class": "FSDPStrategy", "state_dict_type": "sharded"}),
+    ("deepspeed", {"class": "DeepSpeedStrategy", "stage": 2}),
+    ("fsdp2", {"class": "ModelParallelStrategy"}),
+    ("ddp", {"class": "DDPStrategy"}),
+])
+def test_every_strategy_preset_builds_its_strategy_and_passes_the_module_checks(preset, expected):
+    """The trainer presets of the README's table compose and build the strategy they name, which the module's
+    checks accept (the GPU-only ones are not run here: the 2-process tests build the same strategies)."""
+    from hydra import compose, initialize_config_module
+    from hydra.utils import instantiate
+
+    from lit_parl.parallel import prepare_strategy
+
+    with initialize_config_module(config_module="lit_parl.conf", version_base="1.3"):
+        cfg = compose(config_name="config", overrides=[f"trainer={preset}"])
+    strategy = instantiate(cfg.trainer.strategy)
+    assert type(strategy).__name__ == expected["class"]
+    if "state_dict_type" in expected:
+        assert strategy._state_dict_type == expected["state_dict_type"]
+    if "stage" in expected:
+        assert strategy.config["zero_optimization"]["stage"] == expected["stage"]
+    prepare_strategy(strategy, max_grad_norm=1.0, micro_batch_size=4)

@@ -64,7 +64,7 @@ def single(tmp_path_factory) -> dict:
     return run(tmp_path_factory.mktemp("single"))
 
 
-@pytest.fixture(scope="module", params=["ddp", "fsdp2", "fsdp"])
+@pytest.fixture(scope="module", params=["ddp", "fsdp2", "fsdp", "deepspeed2", "deepspeed3"])
 def two_ranks(request, tmp_path_factory) -> tuple[str, Path, dict]:
     """A 2-rank run that writes a checkpoint after every optimizer step."""
     out = tmp_path_factory.mktemp(request.param)
@@ -95,9 +95,22 @@ def test_two_ranks_train_the_single_process_update_each_prompt_once(single, two_
         assert rank["parameter_types"] == (["DTensor"] if strategy == "fsdp2" else ["Parameter"])
         full = sum(tensor.numel() for tensor in single["policy"].values())
         held = rank["policy_numel_held"]  # what this rank holds of the policy: about half of it when sharded
-        assert held == full if strategy == "ddp" else 0.4 * full < held < 0.6 * full, (held, full)
+        assert held == full if strategy in ("ddp", "deepspeed2") else 0.4 * full < held < 0.6 * full, (held, full)  # ZeRO-2: whole parameters
     exported = AutoModelForCausalLM.from_pretrained(out / "export").state_dict()  # HFExport gathers the shards too
     assert all(torch.equal(exported[name], tensor) for name, tensor in result["policy"].items())
+
+
+@pytest.mark.parametrize("strategy", ["deepspeed2", "deepspeed3", "fsdp"])
+def test_clipping_and_a_skipped_non_finite_step_match_one_process(tmp_path, strategy):
+    """Norm clipping (DeepSpeed clips inside its own step, FSDP1 through its root unit) and a step skipped for a NaN:
+    the same weights as one process, the same step skipped. Prompt 9 is trained in iteration 1's first step."""
+    flags = ("--clip", "0.05", "--nan-prompt", "9")
+    one = run(tmp_path / "single", "single", *flags)
+    two = run(tmp_path / strategy, strategy, *flags)
+    assert one["ranks"][0]["skipped_steps"] == 1 and [rank["skipped_steps"] for rank in two["ranks"]] == [1, 1]
+    assert_same_policy(two["policy"], one["policy"])
+    assert two["ranks"][0]["grad_norms"] == pytest.approx(one["ranks"][0]["grad_norms"], rel=1e-5)
+    assert one["ranks"][0]["grad_norms"][0] > 0.05, "the norm stayed under the clip: clipping was not exercised"
 
 
 def test_sync_and_async_agree_under_ddp_and_every_rank_logs_the_evaluation(tmp_path, single):
@@ -127,7 +140,7 @@ def test_resume_inside_an_iteration_under_two_ranks_is_exact(tmp_path, two_ranks
     assert_same_policy(resumed["policy"], straight["policy"], rtol=1e-6)
     later = [s for s in samples(straight) if s[0] == 1]  # iteration 1's samples, half of them trained before the checkpoint
     assert set(samples(resumed)) < set(later) and len(samples(resumed)) == len(later) // 2
-    if strategy in ("fsdp2", "fsdp"):
+    if strategy != "ddp":
         assert (straight_dir / "checkpoints" / "step=3.ckpt").is_dir(), "a single-file checkpoint: sharding was not exercised"
         # iteration 0's last micro-batch: Lightning goes on without the next epoch's start, and the sharded
         # checkpoint holds iteration 0's θ_k, which must be taken again from the policy
