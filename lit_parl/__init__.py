@@ -8,6 +8,13 @@ import os
 # torch is imported; the spawned workers inherit it. An explicit OMP_WAIT_POLICY wins.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
+import logging  # noqa: E402
+
+# DeepSpeed, where installed, is imported with transformers (through accelerate) and announces on a machine
+# without a GPU that it uses its CPU accelerator: a notice printed into every script and worker, for nothing
+# the user can act on. Only that message is dropped.
+logging.getLogger("DeepSpeed").addFilter(lambda record: "Setting accelerator to CPU" not in record.getMessage())
+
 import importlib
 
 # Imported on first use, so that ``import lit_parl.callbacks`` (usable in any Lightning project) does not

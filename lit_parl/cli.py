@@ -47,9 +47,6 @@ def _quiet_console(run_dir: Path) -> None:
         # a fresh run: the directory holds only Hydra's record of the config, which the CSV logger may share
         warnings.filterwarnings("ignore", message=r"Experiment logs directory .* exists and is not empty")
     logging.getLogger("lightning.pytorch.utilities.rank_zero").addFilter(lambda record: "litlogger" not in record.getMessage())
-    # DeepSpeed, where installed, is imported with transformers (through accelerate) and says, on a machine
-    # without a GPU, that it falls back to its CPU accelerator
-    logging.getLogger("DeepSpeed").addFilter(lambda record: "Setting accelerator to CPU" not in record.getMessage())
     import transformers
 
     transformers.utils.logging.disable_progress_bar()  # "Writing model shards" bars for a model of a few MB

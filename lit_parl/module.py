@@ -9,10 +9,7 @@ iteration (θ_k), kept only when an iteration has several optimizer steps (mini-
 one step the old log-probs equal the policy's, so ``logp.detach()`` stands in); ``reference`` is θ_0,
 kept only when β > 0. One call per micro-batch computes all three on the same packed layout.
 
-Per-iteration metrics are torchmetrics aggregates logged at the end of each epoch: rollout side (reward
-mean/std, accuracy, completion length, truncation rate, share of zero-variance groups, the rollout
-engine's log-prob mismatch with θ_k) and trainer side (clip fraction, KL to the reference, entropy,
-approximate KL between θ_k and the updated policy, gradient norm).
+Per-iteration metrics (``lit_parl.iteration_metrics``) are logged at the end of each epoch.
 
 Example::
 
@@ -39,15 +36,15 @@ import torch
 from lightning.pytorch import LightningModule
 from lightning.pytorch.utilities import rank_zero_warn
 from torch.distributed.fsdp import FullyShardedDataParallel
-from torchmetrics import MaxMetric, MeanMetric
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from lit_parl.callbacks.full_tensors import is_sharded
 from lit_parl.data.shape import IterationShape
 from lit_parl.data.gate import OffPolicyError
-from lit_parl.guards import NonFiniteGuard, logprob_mismatch, off_policy_problem, worst_group_mismatch
+from lit_parl.guards import NonFiniteGuard, off_policy_problem, worst_group_mismatch
 from lit_parl.kernels.attention import resolve_backend
 from lit_parl.kernels.forward import check_supported, completion_logprobs
+from lit_parl.iteration_metrics import IterationMetrics
 from lit_parl.iteration_progress import IterationProgress
 from lit_parl.lean_checkpoint import fingerprint, leave_out, put_back
 from lit_parl.limits import check_memory, context_length
@@ -146,14 +143,7 @@ class GRPOModule(LightningModule):
         self._normaliser = 0.0
         self._loss_sum = 0.0
         self.train_intervals: list[tuple[float, float]] = []  # (start, end) monotonic, this iteration
-        mean = ("reward", "reward_sq", "accuracy", "length", "truncated", "zero_variance", "mismatch_abs", "mismatch_kl",
-                "clip_fraction", "kl_ref", "entropy", "approx_kl", "grad_norm")
-        self.metrics = torch.nn.ModuleDict({name: MeanMetric() for name in mean})
-        self.metrics["length_max"] = MaxMetric()
-        # each reward's values (reward/<name>) and failed calls (reward/<name>/failures): plain sums, since the
-        # names come from the data and a step must not wait on the device for them
-        self._reward_sums: dict[str, list[float]] = {}
-        self._reward_failures: dict[str, int] = {}
+        self.metrics = IterationMetrics()  # logged at each iteration's end
         # FSDP2: the module that computes each model's log-probs (its root unit); kept out of the module tree
         # (and the state dict), which holds the models themselves
         self.__dict__["_sharded"] = {}
@@ -188,7 +178,7 @@ class GRPOModule(LightningModule):
             return
         if isinstance(strategy, DeepSpeedStrategy) and strategy.zero_stage_3:
             for model in (self.policy, self.old, self.reference):
-                if model is not None:
+                if model is not None and not is_zero3(next(model.parameters())):  # a second fit finds them partitioned
                     partition_for_zero3(model, strategy.config)
             return
         if self._device_mesh is None or self._sharded:
@@ -227,24 +217,8 @@ class GRPOModule(LightningModule):
         self.train_intervals = []
 
     def on_train_epoch_end(self) -> None:
-        updated = [metric.update_called for metric in self.metrics.values()]
-        if self.trainer is not None and self.trainer.world_size > 1:  # compute() is a collective: every rank computes the same metrics
-            updated = self.trainer.strategy.reduce(torch.tensor(updated, dtype=torch.float32, device=self.device), reduce_op="sum").gt(0).tolist()
-        values = {name: metric.compute() for (name, metric), due in zip(self.metrics.items(), updated) if due}
-        if "reward" in values:
-            values["reward_std"] = (values.pop("reward_sq") - values["reward"] ** 2).clamp(min=0).sqrt()
-        names = {"length": "length/mean", "length_max": "length/max", "truncated": "truncation_rate",
-                 "zero_variance": "zero_variance_share", "mismatch_abs": "mismatch/logprob_abs_diff", "mismatch_kl": "mismatch/kl"}
-        for name, value in values.items():
-            self.log(names.get(name, name), value, prog_bar=name == "reward")
+        self.metrics.log_to(self)
         self.log("nonfinite/skipped_steps", float(self.guard.skipped_steps))
-        for name, (total, count) in self._reward_sums.items():  # every rank logs the same names: they come from the rewards
-            self.log(f"reward/{name}", total / max(count, 1), sync_dist=True)
-        for name in self._reward_sums:  # summed over ranks: every rank logs every reward's count, 0 included
-            self.log(f"reward/{name}/failures", float(self._reward_failures.get(name, 0)), sync_dist=True, reduce_fx="sum")
-        self._reward_sums, self._reward_failures = {}, {}
-        for metric in self.metrics.values():
-            metric.reset()
 
     def validation_step(self, metrics: dict[str, float], batch_idx: int) -> None:
         """Logs what the held-out evaluation measured (``lit_parl.data.evaluation``: the datamodule generates
@@ -301,52 +275,21 @@ class GRPOModule(LightningModule):
         # Backward even now: under DDP every rank must join each backward's gradient reduction. Both checks
         # are decided at the optimizer step, on every rank at once, before any weight moves.
         engine = deepspeed_engine(self._trainer)
-        if engine is not None:  # DeepSpeed reduces the gradient at the step's last backward only
+        if engine is not None:  # DeepSpeed completes the step's gradient sum at the boundary: the step's last backward
             engine.set_gradient_accumulation_boundary(batch.ends_step)
         self.manual_backward(terms.loss_sum)
         self.progress.micro_batch()
         self._normaliser += float(terms.normaliser)
         if batch.pass_index == 0:  # each reward's values, whatever the loss: every rank then logs every reward's name
-            self._add_reward_components(batch)
+            self.metrics.add_rewards(batch)
         if finite:
             self._loss_sum += float(terms.loss_sum.detach())
-            self._update_metrics(batch, terms, old_logp)
+            self.metrics.update(batch, terms, old_logp)
 
         if batch.ends_step:  # the datamodule marks the end of each mini-batch
             self._optimizer_step()
         self.train_intervals.append((start, time.monotonic()))
         return terms.loss_sum.detach()
-
-    def _add_reward_components(self, batch: MicroBatch) -> None:
-        for name, (total, count) in batch.reward_components.items():
-            sums = self._reward_sums.setdefault(name, [0.0, 0])
-            sums[0] += total
-            sums[1] += count
-        for name, failures in batch.reward_failures.items():
-            self._reward_failures[name] = self._reward_failures.get(name, 0) + failures
-
-    def _update_metrics(self, batch: MicroBatch, terms, old_logp: torch.Tensor) -> None:
-        m, stats = self.metrics, terms.stats
-        tokens = stats["tokens"].clamp(min=1)
-        m["clip_fraction"].update(stats["clipped_tokens"] / tokens, weight=tokens)
-        m["approx_kl"].update(stats["approx_kl_sum"] / tokens, weight=tokens)
-        m["entropy"].update(stats["entropy_sum"] / tokens, weight=tokens)
-        if "kl_sum" in stats:
-            m["kl_ref"].update(stats["kl_sum"] / tokens, weight=tokens)
-        if batch.pass_index == 0:  # rollout statistics once per iteration, not once per pass
-            mask = batch.completion_mask
-            lengths = mask.sum(-1).float()
-            m["reward"].update(batch.rewards)
-            m["reward_sq"].update(batch.rewards**2)
-            m["accuracy"].update(batch.correct.float())
-            m["length"].update(lengths)
-            m["length_max"].update(lengths)
-            m["truncated"].update(batch.truncated.float())
-            m["zero_variance"].update(batch.zero_variance.float())
-            # the rollout engine's log-probs against θ_k's, on the same tokens
-            abs_sum, kl_sum, _ = logprob_mismatch(batch.rollout_logprobs, old_logp, mask)
-            m["mismatch_abs"].update(abs_sum / tokens, weight=tokens)
-            m["mismatch_kl"].update(kl_sum / tokens, weight=tokens)
 
     # -- the update ------------------------------------------------------------------------------------
     def _optimizer_step(self) -> None:

@@ -59,7 +59,7 @@ def copy_weights(source: torch.nn.Module, target: torch.nn.Module) -> None:
     use (``stage3_param_persistence_threshold``), so their pieces alone must not be written either.
     """
     with torch.no_grad():
-        if is_zero3(next(source.parameters())):  # each pair gathered, rank 0's copy partitioned again
+        if is_zero3(next(source.parameters())):  # one parameter of each at a time, gathered; rank 0's copy kept
             import deepspeed
             import torch.distributed as dist
 
@@ -167,8 +167,9 @@ def deepspeed_step(engine, optimizer, scale: float) -> torch.Tensor:
     (``gradient_clipping``). Returns the global norm of the scaled gradient before clipping: infinite or NaN
     where DeepSpeed found it non-finite and skipped the step itself.
 
-    DeepSpeed divides the gradient by its loss scale at the step, before clipping, whatever the stage: the
-    scale is that divisor for this one step (1 otherwise, as in float32 and bfloat16).
+    DeepSpeed divides the gradient by its loss scale at the step, before clipping, whatever the stage: for
+    this one step the loss scale is ``1 / scale`` (1 otherwise, as in float32 and bfloat16). A NaN ``scale``
+    makes DeepSpeed skip the step, on every rank.
     """
     zero = engine.optimizer
     zero.override_loss_scale(1.0 / scale)

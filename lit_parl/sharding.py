@@ -1,4 +1,4 @@
-"""FSDP2 and FSDP1 sharding of a causal LM for lit_parl's forward.
+"""How a causal LM is sharded for lit_parl's forward under FSDP2, FSDP1 and DeepSpeed ZeRO-3.
 
 lit_parl does not call the model's ``forward``: it runs the decoder, then its own chunked log-prob kernel
 over the LM head's weight (``lit_parl.kernels.forward``). FSDP2 gathers a unit's parameters around a

@@ -2,9 +2,12 @@
 this file again. Each rank writes what it trained, what its pool received and the final policy to ``--out``.
 
     python tests/distributed_fit.py --strategy ddp --devices 2 --out DIR [--mode sync] [--dynamic] [--die RANK]
+        [--clip NORM] [--nan-prompt ID] [--save-every-step DIR] [--resume CKPT] [--eval]
 
-``--strategy single`` is the one-process run on the same global batch. ``--die RANK`` kills that rank
-(SIGKILL) at the start of iteration 1, with a real worker-process pool, to check that the run ends.
+``--strategy`` is one of single (the one-process run on the same global batch), ddp, fsdp2, fsdp (FSDP1) and
+deepspeed2/deepspeed3 (ZeRO stages); on the CPU, fsdp and deepspeed go through the subclasses below that lift
+Lightning's CUDA-only checks. ``--die RANK`` kills that rank (SIGKILL) at the start of iteration 1, with a
+real worker-process pool, to check that the run ends.
 """
 
 from __future__ import annotations

@@ -15,7 +15,8 @@ LAYERS = {
     "lit_parl.prompts": 1, "lit_parl.prompt_files": 1, "lit_parl.chat": 1, "lit_parl.rewards": 1,
     "lit_parl.rollout": 2,
     "lit_parl.data": 3,
-    "lit_parl.module": 4, "lit_parl.datamodule": 4, "lit_parl.guards": 4,
+    "lit_parl.module": 4, "lit_parl.datamodule": 4, "lit_parl.guards": 4, "lit_parl.iteration_metrics": 4,
+    "lit_parl.iteration_progress": 4, "lit_parl.lean_checkpoint": 4, "lit_parl.sharding": 4, "lit_parl.parallel": 4,
     "lit_parl.cli": 5, "lit_parl.__main__": 5,
 }
 
