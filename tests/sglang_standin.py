@@ -7,9 +7,16 @@ from ``--model-path``:
 ``/health``, ``/health_generate``, ``/generate`` (single or batched ``input_ids``, ``sampling_params`` as
 one dict or a list, ``n``, ``sampling_seed``, ``stop_token_ids``, ``stop``, ``return_logprob``; answers
 with ``output_ids`` and ``meta_info.output_token_logprobs`` / ``finish_reason`` / ``weight_version``),
-``/get_weight_version``, ``/update_weights_from_disk``, ``/update_weights_from_tensor``,
-``/init_weights_update_group``, ``/update_weights_from_distributed`` (gloo here, NCCL in SGLang),
-``/pause_generation``, ``/continue_generation``, ``/flush_cache``.
+``/model_info`` (its ``weight_version``), ``/begin_weight_update``, ``/end_weight_update``,
+``/update_weights_from_disk``, ``/update_weights_from_tensor``, ``/init_weights_update_group``,
+``/update_weights_from_distributed`` (gloo here, NCCL in SGLang), ``/pause_generation``,
+``/continue_generation``, ``/flush_cache``.
+
+The weight-update API of current SGLang (0.5.23): no ``/get_weight_version`` route; tensor and distributed
+updates refused (HTTP 400, ``success: false``) outside a session opened by ``/begin_weight_update`` and
+closed by ``/end_weight_update``; a second ``begin`` inside a session, or an ``end`` outside one, refused.
+``--legacy-api`` is an SGLang from before sessions and ``/model_info``'s version: ``/get_weight_version``
+instead, no session routes, updates taken as they come.
 
 Log-probs as SGLang reports them: of the full softmax of logits / T, before top-k/top-p (the draw is from
 the filtered one); with ``SGLANG_RETURN_ORIGINAL_LOGPROB`` true, of the softmax before the temperature.
@@ -67,6 +74,7 @@ class StandIn:
         self.paused = False
         self.generates = 0
         self.group = None
+        self.in_session = False  # between /begin_weight_update and /end_weight_update
         self.lock = asyncio.Lock()  # one model call at a time, like a scheduler's batch
 
     # -- generation ------------------------------------------------------------------------------------
@@ -168,7 +176,32 @@ class StandIn:
         self._load(named, body.get("weight_version"))
         return web.json_response({"success": True, "message": "ok", "num_paused_requests": 0})
 
+    def _outside_session(self, what: str) -> web.Response | None:
+        """SGLang's refusal of an update outside a weight-update session (none with --legacy-api)."""
+        if self.args.legacy_api or self.in_session:
+            return None
+        message = f"{what} must run between begin_weight_update() and end_weight_update()"
+        return web.json_response({"success": False, "message": message}, status=400)
+
+    async def begin_update(self, request: web.Request) -> web.Response:
+        if self.in_session:
+            return web.json_response({"success": False, "message": "a weight update session is already open"}, status=400)
+        self.in_session = True
+        return web.json_response({"success": True, "message": "ok"})
+
+    async def end_update(self, request: web.Request) -> web.Response:
+        if not self.in_session:
+            return web.json_response({"success": False, "message": "no weight update session is open"}, status=400)
+        self.in_session = False
+        return web.json_response({"success": True, "message": "ok"})
+
+    async def model_info(self, request: web.Request) -> web.Response:
+        return web.json_response({"model_path": self.args.model_path, "is_generation": True, "weight_version": self.weight_version})
+
     async def update_from_tensor(self, request: web.Request) -> web.Response:
+        refused = self._outside_session("update_weights_from_tensor")
+        if refused is not None:
+            return refused
         body = await request.json()
         named = deserialize_named_tensors(body["serialized_named_tensors"][0])  # rank 0's share (tp 1)
         self._load(named, body.get("weight_version"))
@@ -183,6 +216,9 @@ class StandIn:
         return web.json_response({"success": True, "message": "ok"})
 
     async def update_from_distributed(self, request: web.Request) -> web.Response:
+        refused = self._outside_session("update_weights_from_distributed")
+        if refused is not None:
+            return refused
         body = await request.json()
         if self.group is None:
             return web.json_response({"success": False, "message": "no weight update group"}, status=400)
@@ -227,6 +263,7 @@ def main() -> None:
     parser.add_argument("--malformed", action="store_true")
     parser.add_argument("--stale-version", action="store_true")
     parser.add_argument("--exit-at-start", action="store_true")
+    parser.add_argument("--legacy-api", action="store_true", help="an SGLang before weight-update sessions and /model_info's version")
     args, _ = parser.parse_known_args()  # --mem-fraction-static, ...: SGLang's, ignored
     if args.exit_at_start:
         print("stand-in: exiting at start as asked", flush=True)
@@ -236,7 +273,12 @@ def main() -> None:
     app.router.add_get("/health", server.health)
     app.router.add_get("/health_generate", server.health)
     app.router.add_post("/generate", server.generate)
-    app.router.add_get("/get_weight_version", server.get_weight_version)
+    if args.legacy_api:
+        app.router.add_get("/get_weight_version", server.get_weight_version)
+    else:
+        app.router.add_get("/model_info", server.model_info)
+        app.router.add_post("/begin_weight_update", server.begin_update)
+        app.router.add_post("/end_weight_update", server.end_update)
     app.router.add_post("/update_weights_from_disk", server.update_from_disk)
     app.router.add_post("/update_weights_from_tensor", server.update_from_tensor)
     app.router.add_post("/init_weights_update_group", server.init_group)

@@ -210,6 +210,28 @@ def test_a_version_the_servers_do_not_confirm_is_an_error(saved_model):
         process.wait()
 
 
+@pytest.mark.parametrize("method", ["tensor", "disk"])
+def test_an_sglang_from_before_update_sessions_is_detected_and_synced(method, saved_model):
+    """An SGLang without ``/begin_weight_update`` and without ``weight_version`` in ``/model_info`` (the stand-in's
+    ``--legacy-api``): the pool learns it from the 404s, updates without a session, and confirms the version
+    through ``/get_weight_version``. The default stand-in (current SGLang) has neither that route nor updates
+    outside a session, so the other sync tests need the session and ``/model_info``."""
+    model, spec, model_dir = saved_model
+    process, url = launch_standin(model_dir, "--legacy-api")
+    pool = SGLangRolloutPool(urls=[url], sync_method=method)
+    try:
+        pool.start(spec)
+        for version, seed in enumerate((0, 1)):
+            weights, _ = tiny_qwen2(seed=seed)
+            pool.sync_weights(buckets(weights), version=version)
+            assert pool.version == version
+            assert {g.version for g in pool.generate(requests_for(version), SAMPLING)} == {version}
+    finally:
+        pool.close()
+        process.kill()
+        process.wait()
+
+
 def test_requests_of_another_version_are_refused(spec):
     model, tokenizer = tiny_qwen2()
     pool = start_pool(spec, sync_method="disk")

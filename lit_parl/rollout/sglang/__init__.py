@@ -7,7 +7,8 @@ and talks to them through SGLang's native HTTP API. One job per module:
 - ``servers``: launching, attaching, health-checking and stopping servers and the router.
 - ``client``: the asyncio loop, the aiohttp session, and retries on another server.
 - ``weights``: the three ways of syncing weights (``tensor``, ``distributed``, ``disk``), each confirmed
-  by every server's ``/get_weight_version``.
+  by the weight version every server reports (``/model_info``), the first two inside SGLang's weight-update
+  sessions.
 - ``messages``: the ``/generate`` request of one sample, and the checks on a group's answers.
 
 Generation: one ``POST /generate`` per sample, all of the iteration's samples in flight at once, each

@@ -25,6 +25,10 @@ class ServerError(RuntimeError):
     """A server answered with an error status or an aborted sample: worth retrying elsewhere."""
 
 
+class RouteNotFound(RuntimeError):
+    """HTTP 404: the server has no such route (an SGLang release older or newer than the route)."""
+
+
 RETRYABLE = (ServerError, OSError, asyncio.TimeoutError)  # OSError: ConnectionError included
 
 
@@ -77,6 +81,8 @@ class HTTPClient:
                 body = await response.read()
                 if response.status >= 500:
                     raise ServerError(f"{method} {url}: HTTP {response.status}: {body[:200]!r}")
+                if response.status == 404:
+                    raise RouteNotFound(f"{method} {url}: HTTP 404: {body[:300]!r}")
                 if response.status >= 400:
                     raise RuntimeError(f"{method} {url}: HTTP {response.status}: {body[:300]!r}")
                 if response.content_type == "application/json":

@@ -1,8 +1,12 @@
 """Pushing the trainer's weights to SGLang servers, bucket by bucket, by one of three methods.
 
-Every sync is wrapped the same way: ``/pause_generation``, the update, ``/flush_cache``, then
-``/get_weight_version`` (every server must report the new version, or the sync fails) and
-``/continue_generation``. The methods (``SGLangRolloutPool(sync_method=...)``):
+Every sync is wrapped the same way: ``/pause_generation``, the update, ``/flush_cache``, then the version
+every server reports (``weight_version`` of ``/model_info``; every server must report the new version, or
+the sync fails) and ``/continue_generation``. Current SGLang refuses tensor and distributed updates outside
+a weight-update session, so those run between ``/begin_weight_update`` and ``/end_weight_update``. A
+server without those routes (an SGLang from before them, told by its 404, never guessed) takes the updates
+as they come and reports its version at ``/get_weight_version``. The methods
+(``SGLangRolloutPool(sync_method=...)``):
 
 - ``tensor``: ``/update_weights_from_tensor`` per bucket, the tensors passed as CUDA IPC handles (or
   shared-memory files for CPU tensors): trainer and servers on one node.
@@ -28,7 +32,7 @@ from pathlib import Path
 import torch
 
 from lit_parl.rollout.base import WeightBucket
-from lit_parl.rollout.sglang.client import HTTPClient
+from lit_parl.rollout.sglang.client import HTTPClient, RouteNotFound
 from lit_parl.rollout.sglang.servers import Server
 from lit_parl.rollout.weight_transfer import broadcast_from_trainer, init_weight_update_group, save_shard, serialize_named_tensors
 
@@ -88,14 +92,18 @@ class WeightUpdater:
         if method == "disk":
             shutil.rmtree(out, ignore_errors=True)  # shards of a failed attempt at this version must not mix in
         fields = {"weight_version": str(version), "flush_cache": False}  # the wrap flushes once, after the last
+        in_session = run(self._each(servers, self._begin)) if method != "disk" else []
         sent = 0
-        for sent, bucket in enumerate(buckets, start=1):
-            if method == "tensor":
-                self._send_tensors(servers, bucket, fields)
-            elif method == "distributed":
-                self._broadcast(servers, bucket, fields)
-            else:
-                shards.update(save_shard(bucket, out, f"model-{sent:05d}.safetensors"))
+        try:
+            for sent, bucket in enumerate(buckets, start=1):
+                if method == "tensor":
+                    self._send_tensors(servers, bucket, fields)
+                elif method == "distributed":
+                    self._broadcast(servers, bucket, fields)
+                else:
+                    shards.update(save_shard(bucket, out, f"model-{sent:05d}.safetensors"))
+        finally:  # closed even after a failure: a server left in a session refuses the next one
+            run(self._each([s for s, opened in zip(servers, in_session) if opened], self._end))
         if not sent:
             raise ValueError("sync_weights got no buckets: nothing to load")
         if method == "disk":
@@ -156,14 +164,36 @@ class WeightUpdater:
             if old != out:
                 shutil.rmtree(old, ignore_errors=True)
 
+    async def _begin(self, server: Server) -> bool:
+        """Open ``server``'s weight-update session; ``False``: it has none to open (an SGLang before sessions)."""
+        try:
+            await self._update(server, "/begin_weight_update", {})
+        except RouteNotFound:
+            return False
+        return True
+
+    async def _end(self, server: Server) -> None:
+        await self._update(server, "/end_weight_update", {})
+
+    async def reported_version(self, server: Server) -> str | None:
+        """The weight version ``server`` reports: ``/model_info``'s ``weight_version``, or, on an SGLang without
+        it (the field or the route missing), ``/get_weight_version``'s."""
+        try:
+            info = await self.client.get(server.url, "/model_info")
+        except RouteNotFound:
+            info = None
+        if isinstance(info, dict) and "weight_version" in info:
+            return info["weight_version"]
+        answer = await self.client.get(server.url, "/get_weight_version")
+        return answer.get("weight_version") if isinstance(answer, dict) else answer
+
     async def _confirm(self, servers: list[Server], version: int) -> None:
         await self._each(servers, lambda s: self.client.post(s.url, "/flush_cache", {}))
-        reported = await self._each(servers, lambda s: self.client.get(s.url, "/get_weight_version"))
-        wrong = [(s.url, r.get("weight_version") if isinstance(r, dict) else r) for s, r in zip(servers, reported)]
-        wrong = [(url, got) for url, got in wrong if got != str(version)]
+        reported = await self._each(servers, self.reported_version)
+        wrong = [(s.url, got) for s, got in zip(servers, reported) if got != str(version)]
         if wrong:
             raise RuntimeError(
-                f"weight sync to version {version} was not confirmed: /get_weight_version answered {wrong} (url, version). "
+                f"weight sync to version {version} was not confirmed: the servers reported {wrong} (url, weight_version). "
                 "Refusing to generate with unknown weights."
             )
         await self._each(servers, lambda s: self.client.post(s.url, "/continue_generation", {}))
