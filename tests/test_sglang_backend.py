@@ -361,7 +361,7 @@ def test_parse_checks_every_field():
     ends = Ends.of(sampling, eos_id=2, decode=tokenizer.decode)
 
     def parse(answers, url):  # the pool holds version 0
-        return parse_group(request, answers, url, default_version=0, ends=ends)
+        return parse_group(request, answers, url, ends=ends)
 
     def output(tokens, version="0", reason=None):
         reason = reason or ({"type": "length", "length": 3} if len(tokens) == 3 else {"type": "stop", "matched": tokens[-1]})
@@ -382,6 +382,10 @@ def test_parse_checks_every_field():
         parse([output([5], "0"), output([5], "1")], "u")
     with pytest.raises(MalformedResponse, match="weight_version 'default'"):
         parse([output([5], "default"), output([5], "default")], "u")
+    unversioned = output([5, 2])
+    del unversioned["meta_info"]["weight_version"]
+    with pytest.raises(MalformedResponse, match="sample 1: meta_info has no weight_version"):  # never the pool's own belief
+        parse([output([5, 2]), unversioned], "u")
     with pytest.raises(MalformedResponse, match="unknown finish_reason"):
         parse([output([5], reason={"type": "eos"}), output([5])], "u")
     with pytest.raises(MalformedResponse, match=r"sample 0: a 'stop' finish_reason without the token or string it matched"):

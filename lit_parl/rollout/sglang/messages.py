@@ -94,12 +94,13 @@ def abort_reason(answer) -> str | None:
     return None
 
 
-def parse_group(request: GroupRequest, answers: list, url: str, default_version: int | None, ends: Ends) -> GroupCompletions:
+def parse_group(request: GroupRequest, answers: list, url: str, ends: Ends) -> GroupCompletions:
     """One group's completions from its G answers, stamped with the weight version the server reports.
 
-    ``default_version`` stamps the group when the server reports none (SGLang releases without weight
-    versions); the trainer refuses a group whose version is not the iteration's. ``ends`` checks each
-    sample's finish reason (``Ends.finish_reason``).
+    A sample without ``meta_info.weight_version`` is refused: the trainer's on-policy check rests on the
+    server's own word about the weights it used, never on the version the pool believes it set. The trainer
+    refuses a group whose version is not the iteration's. ``ends`` checks each sample's finish reason
+    (``Ends.finish_reason``).
     """
     G = request.group_size
     where = f"{url}/generate for prompt {request.prompt_id}"
@@ -126,7 +127,12 @@ def parse_group(request: GroupRequest, answers: list, url: str, default_version:
         completions.append(tokens)
         logprobs.append(values)
         reasons.append(ends.finish_reason(reason, tokens, f"{where} sample {k}"))
-        versions.add(meta.get("weight_version", str(default_version)))
+        if "weight_version" not in meta:
+            raise MalformedResponse(
+                f"{where} sample {k}: meta_info has no weight_version, so nothing shows which weights generated it "
+                "(SGLang reports it since its weight-update API; use such a release)"
+            )
+        versions.add(meta["weight_version"])
     if len(versions) != 1:
         raise MalformedResponse(f"{url}: the samples of prompt {request.prompt_id} report several weight versions {sorted(versions)}")
     reported = versions.pop()

@@ -230,7 +230,7 @@ class SGLangRolloutPool(RolloutPool):
         async with limit:
             samples = await asyncio.gather(*(self._generate_sample(request, k, sampling) for k in range(request.group_size)))
         urls = ", ".join(sorted({url for url, _ in samples}))
-        finished.put(parse_group(request, [answer for _, answer in samples], urls, self.version, ends))
+        finished.put(parse_group(request, [answer for _, answer in samples], urls, ends))
 
     async def _generate_sample(self, request: GroupRequest, index: int, sampling: SamplingParams) -> tuple[str, dict]:
         payload = sample_payload(request, index, sampling, self._eos_id)
