@@ -7,7 +7,7 @@ from ``--model-path``:
 ``/health``, ``/health_generate``, ``/generate`` (single or batched ``input_ids``, ``sampling_params`` as
 one dict or a list, ``n``, ``sampling_seed``, ``stop_token_ids``, ``stop``, ``return_logprob``; answers
 with ``output_ids`` and ``meta_info.output_token_logprobs`` / ``finish_reason`` / ``weight_version``),
-``/model_info`` (its ``weight_version``), ``/begin_weight_update``, ``/end_weight_update``,
+``/server_info`` (``enable_deterministic_inference``), ``/model_info`` (its ``weight_version``), ``/begin_weight_update``, ``/end_weight_update``,
 ``/update_weights_from_disk``, ``/update_weights_from_tensor``, ``/init_weights_update_group``,
 ``/update_weights_from_distributed`` (gloo here, NCCL in SGLang), ``/pause_generation``,
 ``/continue_generation``, ``/flush_cache``.
@@ -21,7 +21,9 @@ instead, no session routes, updates taken as they come.
 Log-probs as SGLang reports them: of the full softmax of logits / T, before top-k/top-p (the draw is from
 the filtered one); with ``SGLANG_RETURN_ORIGINAL_LOGPROB`` true, of the softmax before the temperature.
 
-As strict as SGLang (``sampling_params.py``, ``schedule_batch.py``): a sampling parameter SGLang does not
+As strict as SGLang (``sampling_params.py``, ``schedule_batch.py``, ``server_args.py``): a launch flag it
+does not know exits with code 2; ``sampling_seed`` is honoured only under ``--enable-deterministic-inference``
+(a request without one then gets 42), and ignored otherwise; a sampling parameter SGLang does not
 have is refused (HTTP 400); ``stop`` strings are refused under ``--skip-tokenizer-init`` (the
 tokenizer decodes the completion to match them); temperature below 1e-6 becomes greedy as SGLang makes
 it, T = 1 with ``top_k=1``; the length limit is checked before the stop conditions, so a sample whose
@@ -96,7 +98,8 @@ class StandIn:
         async with self.lock:
             for prompt, p in zip(prompts, params):
                 n = int(p.get("n", 1))
-                seed = p.get("sampling_seed")
+                # SGLang honours sampling_seed only under --enable-deterministic-inference (then 42 when unset)
+                seed = (p.get("sampling_seed") if p.get("sampling_seed") is not None else 42) if self.args.enable_deterministic_inference else None
                 seeds = [seed + k if seed is not None else int(torch.randint(0, 2**62, ())) for k in range(n)]
                 outputs += await asyncio.to_thread(self._sample, prompt, p, seeds, bool(body.get("return_logprob")))
         return web.json_response(outputs if batched or len(outputs) > 1 else outputs[0])
@@ -195,6 +198,10 @@ class StandIn:
         self.in_session = False
         return web.json_response({"success": True, "message": "ok"})
 
+    async def server_info(self, request: web.Request) -> web.Response:
+        return web.json_response({"model_path": self.args.model_path, "tp_size": self.args.tp_size,
+                                  "enable_deterministic_inference": self.args.enable_deterministic_inference})
+
     async def model_info(self, request: web.Request) -> web.Response:
         return web.json_response({"model_path": self.args.model_path, "is_generation": True, "weight_version": self.weight_version})
 
@@ -259,12 +266,14 @@ def main() -> None:
     parser.add_argument("--port", type=int, default=30000)
     parser.add_argument("--tp-size", type=int, default=1)
     parser.add_argument("--skip-tokenizer-init", action="store_true")
+    parser.add_argument("--mem-fraction-static", type=float, default=None)
+    parser.add_argument("--enable-deterministic-inference", action="store_true")
     parser.add_argument("--die-after-generates", type=int, default=None)
     parser.add_argument("--malformed", action="store_true")
     parser.add_argument("--stale-version", action="store_true")
     parser.add_argument("--exit-at-start", action="store_true")
     parser.add_argument("--legacy-api", action="store_true", help="an SGLang before weight-update sessions and /model_info's version")
-    args, _ = parser.parse_known_args()  # --mem-fraction-static, ...: SGLang's, ignored
+    args = parser.parse_args()  # an unknown flag exits with code 2, as SGLang's own parser makes it
     if args.exit_at_start:
         print("stand-in: exiting at start as asked", flush=True)
         sys.exit(3)
@@ -277,6 +286,7 @@ def main() -> None:
         app.router.add_get("/get_weight_version", server.get_weight_version)
     else:
         app.router.add_get("/model_info", server.model_info)
+        app.router.add_get("/server_info", server.server_info)
         app.router.add_post("/begin_weight_update", server.begin_update)
         app.router.add_post("/end_weight_update", server.end_update)
     app.router.add_post("/update_weights_from_disk", server.update_from_disk)

@@ -13,6 +13,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
+import warnings
 from dataclasses import replace
 from pathlib import Path
 
@@ -24,6 +25,7 @@ from lit_parl.rollout import PoolSpec
 from lit_parl.rollout.sglang import MalformedResponse, SGLangRolloutPool
 from lit_parl.rollout.sampling import sample_groups
 from lit_parl.rollout.sglang.messages import Ends, parse_group
+from lit_parl.rollout.sglang.servers import server_command
 from lit_parl.tasks import CopyTask
 from lit_parl.trajectory import GroupCompletions, GroupRequest, SamplingParams, sample_seed
 from test_sampling_semantics import argmax_loop, filtered_distribution, stop_strings_for
@@ -104,8 +106,10 @@ def start_pool(spec: PoolSpec, **kwargs) -> SGLangRolloutPool:
     return pool
 
 
-def launch_standin(model_dir: Path, *flags: str) -> tuple[subprocess.Popen, str]:
+def launch_standin(model_dir: Path, *flags: str, deterministic: bool = True) -> tuple[subprocess.Popen, str]:
+    """A stand-in server to attach to; ``deterministic``: started as the pool starts its own (seeds honoured)."""
     port = free_port()
+    flags = (*flags, "--enable-deterministic-inference") if deterministic else flags
     process = subprocess.Popen([*STANDIN, "--model-path", str(model_dir), "--port", str(port), *flags],
                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
@@ -230,6 +234,39 @@ def test_an_sglang_from_before_update_sessions_is_detected_and_synced(method, sa
         pool.close()
         process.kill()
         process.wait()
+
+
+def test_seeds_hold_only_on_servers_with_deterministic_inference_and_an_attached_one_without_is_named(saved_model):
+    """SGLang honours ``sampling_seed`` only under ``--enable-deterministic-inference``: the pool launches its servers
+    with it (the same seeds then give the same samples, as the sync tests check), and warns about an attached
+    server without it, whose samples do not follow their seeds; ``deterministic_inference=False`` accepts that."""
+    model, spec, model_dir = saved_model
+    process, url = launch_standin(model_dir, deterministic=False)
+    try:
+        pool = SGLangRolloutPool(urls=[url], sync_method="disk")
+        with pytest.warns(UserWarning, match=rf"\['{url}'\] do not report --enable-deterministic-inference"):
+            pool.start(spec)
+        try:
+            pool.sync_weights(buckets(model), version=0)
+            first, again = (sorted(tuple(c) for g in pool.generate(requests_for(0), SAMPLING) for c in g.completions) for _ in range(2))
+            assert first != again, "the server followed the seeds without the flag: the stand-in is laxer than SGLang"
+        finally:
+            pool.close()
+        quiet = SGLangRolloutPool(urls=[url], sync_method="disk", deterministic_inference=False)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            quiet.start(spec)
+        quiet.close()
+    finally:
+        process.kill()
+        process.wait()
+    assert "--enable-deterministic-inference" in server_command(["sglang"], "m", "h", 1, 1, None, [], deterministic_inference=True)
+    assert "--enable-deterministic-inference" not in server_command(["sglang"], "m", "h", 1, 1, None, [], deterministic_inference=False)
+
+
+def test_an_unknown_launch_flag_stops_the_standin_as_it_stops_sglang(spec):
+    with pytest.raises(RuntimeError, match=r"exited with code 2 while starting(.|\n)*unrecognized arguments: --no-such-flag"):
+        start_pool(spec, server_args=["--no-such-flag"])
 
 
 def test_requests_of_another_version_are_refused(spec):

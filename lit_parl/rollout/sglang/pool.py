@@ -14,12 +14,13 @@ import os
 import queue
 import sys
 import tempfile
+import warnings
 import weakref
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 from lit_parl.rollout.base import PoolSpec, RolloutPool, WeightBucket
-from lit_parl.rollout.sglang.client import HTTPClient, post_with_retries
+from lit_parl.rollout.sglang.client import HTTPClient, RouteNotFound, post_with_retries
 from lit_parl.rollout.sglang.messages import Ends, abort_reason, parse_group, sample_payload
 from lit_parl.rollout.sglang.servers import ServerFleet, check_server_env, router_command, server_command, stop_launched
 from lit_parl.rollout.sglang.weights import SYNC_METHODS, WeightUpdater
@@ -51,6 +52,11 @@ class SGLangRolloutPool(RolloutPool):
         sync_dir: ``disk``: a directory every server can read; ``None``: the pool's work directory.
         dist_master_address, dist_master_port, dist_backend, group_name: ``distributed``: the
             weight-update group's rendezvous (the trainer's address as the servers reach it) and backend.
+        deterministic_inference: each sample carries its own ``sampling_seed``, which SGLang honours only
+            when the server runs with ``--enable-deterministic-inference`` (slower kernels): launched servers
+            get the flag, and an attached server without it is named in a warning, since its samples then do
+            not follow their seeds (a retried sample, or an iteration regenerated after a resume, differs).
+            ``False``: no flag, no warning.
         request_timeout_s: the timeout of one HTTP request.
         max_retries: how often a failed ``/generate`` is sent again to another live server.
         start_timeout_s: how long a launched server may take to answer ``/health``.
@@ -82,6 +88,7 @@ class SGLangRolloutPool(RolloutPool):
         dist_master_port: int = 29650,
         dist_backend: str = "nccl",
         group_name: str = "lit_parl_weight_update",
+        deterministic_inference: bool = True,
         request_timeout_s: float = 600.0,
         max_retries: int = 3,
         start_timeout_s: float = 900.0,
@@ -121,6 +128,7 @@ class SGLangRolloutPool(RolloutPool):
         self.dist_master_port = dist_master_port
         self.dist_backend = dist_backend
         self.group_name = group_name
+        self.deterministic_inference = deterministic_inference
         self.request_timeout_s = request_timeout_s
         self.max_retries = max_retries
         self.start_timeout_s = start_timeout_s
@@ -161,7 +169,8 @@ class SGLangRolloutPool(RolloutPool):
             for index in range(self.num_servers):
                 port = self.port + index
                 command = server_command(
-                    self.launch_command, model_path, self.host, port, self.tp_size, self.mem_fraction_static, self.server_args
+                    self.launch_command, model_path, self.host, port, self.tp_size, self.mem_fraction_static, self.server_args,
+                    self.deterministic_inference,
                 )
                 env = dict(os.environ)
                 if self.gpu_ids is not None:
@@ -171,9 +180,33 @@ class SGLangRolloutPool(RolloutPool):
             fleet.attach(self.urls)
         for server in fleet.servers:
             fleet.wait_healthy(self._client, server, self.start_timeout_s if server.process else self.attach_timeout_s)
+        if self.urls is not None and self.deterministic_inference:
+            self._warn_unseeded(fleet.servers)
         if self.router:
             command = router_command([s.url for s in fleet.servers], self.host, self.router_port, self.router_args)
             fleet.wait_healthy(self._client, fleet.launch_router(command, f"http://{self.host}:{self.router_port}"), self.start_timeout_s)
+
+    def _warn_unseeded(self, servers) -> None:
+        """Name the attached servers that ignore per-sample seeds (``/server_info``, or the older route)."""
+        unseeded = []
+        for server in servers:
+            info = None
+            for path in ("/server_info", "/get_server_info"):
+                try:
+                    info = self._client.run(self._client.get(server.url, path))
+                    break
+                except RouteNotFound:
+                    continue
+            if not (isinstance(info, dict) and info.get("enable_deterministic_inference")):
+                unseeded.append(server.url)
+        if unseeded:
+            warnings.warn(
+                f"SGLang server(s) {unseeded} do not report --enable-deterministic-inference in their server info, and "
+                "without it SGLang ignores each sample's sampling_seed: a retried sample, or an iteration regenerated "
+                "after a resume, is drawn anew (still on-policy, not the same). Restart them with the flag, or set "
+                "deterministic_inference=false to accept this.",
+                stacklevel=3,
+            )
 
     def _sync_weights(self, buckets: Iterable[WeightBucket], version: int) -> None:
         self._weights.sync(self.sync_method, self._fleet.live(), self._fleet.servers, buckets, version)

@@ -68,16 +68,20 @@ def server_command(
     tp_size: int,
     mem_fraction_static: float | None,
     server_args: list[str],
+    deterministic_inference: bool = False,
 ) -> list[str]:
     """``sglang.launch_server``'s command line.
 
     Prompts and completions are token ids, but the server loads the model directory's tokenizer: SGLang
-    matches stop strings in decoded text and refuses them under ``--skip-tokenizer-init``.
+    matches stop strings in decoded text and refuses them under ``--skip-tokenizer-init``. SGLang honours a
+    request's ``sampling_seed`` only under ``--enable-deterministic-inference``.
     """
     command = [*launch_command, "--model-path", model_path, "--host", host, "--port", str(port)]
     command += ["--tp-size", str(tp_size)]
     if mem_fraction_static is not None:
         command += ["--mem-fraction-static", str(mem_fraction_static)]
+    if deterministic_inference and "--enable-deterministic-inference" not in server_args:
+        command.append("--enable-deterministic-inference")
     return command + list(server_args)
 
 
