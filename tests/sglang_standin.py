@@ -32,6 +32,10 @@ otherwise ``{"type": "stop", "matched": <the string>}`` (the first of ``stop`` i
 completion holds) or ``{"type": "stop", "matched": <the token>}``. Assumed, not SGLang's exactly: the
 match runs on the whole completion's text with special tokens skipped (SGLang decodes a tail of
 ``stop``'s token length + 1 tokens, special tokens kept: the same on this character tokenizer's text).
+Laxer than SGLang, known: ``/generate`` while paused answers 503 at once (SGLang holds it until
+``/continue_generation``, and a pause in its default ``abort`` mode ends the requests running);
+``/flush_cache`` always succeeds (SGLang refuses it while requests run); with ``n`` > 1 sample ``k`` uses
+``sampling_seed + k`` (the pool sends one request per sample).
 
 Faults for the tests: ``--die-after-generates N`` exits abruptly while answering the (N+1)-th
 ``/generate``; ``--malformed`` drops ``meta_info`` from answers; ``--stale-version`` accepts updates but

@@ -236,6 +236,26 @@ def test_an_sglang_from_before_update_sessions_is_detected_and_synced(method, sa
         process.wait()
 
 
+def test_a_session_left_open_by_a_stopped_trainer_is_closed_and_the_sync_goes_on(saved_model):
+    """A trainer that died between /begin_weight_update and /end_weight_update leaves the server in a session,
+    where SGLang refuses a new begin: the next pool closes it once and syncs."""
+    model, spec, model_dir = saved_model
+    process, url = launch_standin(model_dir)
+    try:
+        begin = urllib.request.Request(url + "/begin_weight_update", data=b"{}", headers={"Content-Type": "application/json"}, method="POST")
+        urllib.request.urlopen(begin, timeout=10).read()
+        pool = SGLangRolloutPool(urls=[url], sync_method="tensor")
+        try:
+            pool.start(spec)
+            pool.sync_weights(buckets(model), version=0)
+            assert pool.version == 0 and {g.version for g in pool.generate(requests_for(0), SAMPLING)} == {0}
+        finally:
+            pool.close()
+    finally:
+        process.kill()
+        process.wait()
+
+
 def test_seeds_hold_only_on_servers_with_deterministic_inference_and_an_attached_one_without_is_named(saved_model):
     """SGLang honours ``sampling_seed`` only under ``--enable-deterministic-inference``: the pool launches its servers
     with it (the same seeds then give the same samples, as the sync tests check), and warns about an attached

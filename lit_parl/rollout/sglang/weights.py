@@ -92,7 +92,7 @@ class WeightUpdater:
         if method == "disk":
             shutil.rmtree(out, ignore_errors=True)  # shards of a failed attempt at this version must not mix in
         fields = {"weight_version": str(version), "flush_cache": False}  # the wrap flushes once, after the last
-        in_session = run(self._each(servers, self._begin)) if method != "disk" else []
+        opened = run(self._open_sessions(servers)) if method != "disk" else []
         sent = 0
         try:
             for sent, bucket in enumerate(buckets, start=1):
@@ -102,8 +102,10 @@ class WeightUpdater:
                     self._broadcast(servers, bucket, fields)
                 else:
                     shards.update(save_shard(bucket, out, f"model-{sent:05d}.safetensors"))
-        finally:  # closed even after a failure: a server left in a session refuses the next one
-            run(self._each([s for s, opened in zip(servers, in_session) if opened], self._end))
+        except BaseException:
+            run(self._close_quietly(opened))  # a server left in a session refuses the next one; the error is the sync's
+            raise
+        run(self._each(opened, self._end))
         if not sent:
             raise ValueError("sync_weights got no buckets: nothing to load")
         if method == "disk":
@@ -164,16 +166,40 @@ class WeightUpdater:
             if old != out:
                 shutil.rmtree(old, ignore_errors=True)
 
+    async def _open_sessions(self, servers: list[Server]) -> list[Server]:
+        """Open a weight-update session on each server that has them; return those. If one fails, the ones
+        opened are closed before the error is raised."""
+        results = await asyncio.gather(*(self._begin(s) for s in servers), return_exceptions=True)
+        opened = [s for s, result in zip(servers, results) if result is True]
+        failed = [result for result in results if isinstance(result, BaseException)]
+        if failed:
+            await self._close_quietly(opened)
+            raise failed[0]
+        return opened
+
     async def _begin(self, server: Server) -> bool:
-        """Open ``server``'s weight-update session; ``False``: it has none to open (an SGLang before sessions)."""
+        """Open ``server``'s weight-update session; ``False``: it has none to open (an SGLang before sessions).
+
+        A refused ``begin`` is taken for a session left open (by a trainer that stopped in the middle of a
+        sync): it is closed once and opened again. Generation is paused, and every weight is sent anew.
+        """
         try:
             await self._update(server, "/begin_weight_update", {})
         except RouteNotFound:
             return False
+        except RuntimeError:
+            await self._end(server)
+            await self._update(server, "/begin_weight_update", {})
         return True
 
-    async def _end(self, server: Server) -> None:
-        await self._update(server, "/end_weight_update", {})
+    async def _end(self, server: Server, timeout: float | None = None) -> None:
+        answer = await self.client.post(server.url, "/end_weight_update", {}, timeout=timeout)
+        if not isinstance(answer, dict) or not answer.get("success", False):
+            raise RuntimeError(f"{server.url}/end_weight_update failed: {answer}")
+
+    async def _close_quietly(self, servers: list[Server]) -> None:
+        """After a failed sync: close the sessions, briefly and without hiding the sync's own error."""
+        await asyncio.gather(*(self._end(s, timeout=10.0) for s in servers), return_exceptions=True)
 
     async def reported_version(self, server: Server) -> str | None:
         """The weight version ``server`` reports: ``/model_info``'s ``weight_version``, or, on an SGLang without
