@@ -50,3 +50,27 @@ $(VLLM_VENV)/.installed: pyproject.toml
 
 test-vllm: $(VLLM_VENV)/.installed
 	$(VLLM_PY) -m pytest -q tests/vllm_backend $(ARGS)
+
+# The SGLang contract tests (tests/sglang_contract): every request, route and launch flag of the SGLang pool
+# checked against SGLang's own code, in an environment of their own (.venv-sglang). SGLang serves only on a
+# GPU, but its server code imports on the CPU: the sglang wheel and the pure-Python packages it imports are
+# installed with --no-deps from a pinned list (pip's resolution would replace the CPU torch with a CUDA one),
+# after the CPU torch; lit_parl goes in with --no-deps too (its dependencies are in the list).
+SGLANG_VENV := .venv-sglang
+SGLANG_PY   := $(SGLANG_VENV)/bin/python
+SGLANG_REQS := tests/sglang_contract/requirements.txt
+
+.PHONY: test-sglang
+
+$(SGLANG_VENV)/.installed: pyproject.toml $(SGLANG_REQS)
+	test -x $(SGLANG_PY) || $(PYTHON) -m venv $(SGLANG_VENV)
+	$(SGLANG_PY) -m pip install -q --upgrade pip
+	$(SGLANG_PY) -m pip install -q "$(TORCH)"
+	$(SGLANG_PY) -m pip install -q --no-deps -r $(SGLANG_REQS)
+	$(SGLANG_PY) -m pip install -q --no-deps -e .
+	cd tests && ../$(SGLANG_PY) -c "from sglang_contract.sglang_side import import_sglang; import_sglang(); import lit_parl.rollout.sglang, lightning, sglang_router.launch_router"   # a broken environment fails here, not in the tests
+	touch $@
+
+# LIT_PARL_SGLANG_CONTRACT: without sglang the tests fail instead of skipping (as they do in `make test`)
+test-sglang: $(SGLANG_VENV)/.installed
+	LIT_PARL_SGLANG_CONTRACT=1 $(SGLANG_PY) -m pytest -q tests/sglang_contract $(ARGS)

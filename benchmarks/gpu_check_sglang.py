@@ -9,6 +9,10 @@ tokens' log-probs now match the new weights (computed by the trainer side) and n
 ``--launch-command`` runs the same sequence against another server command; the tests use it with the
 stand-in (tests/sglang_standin.py) to check this script on a CPU machine.
 
+On one GPU the server shares it with the trainer, and ``distributed`` is skipped (logged as such): NCCL
+refuses two ranks of one group on one device. With two or more GPUs the server runs on GPU 1, so the
+``tensor`` method also crosses devices (CUDA IPC with devices named by UUID) and ``distributed`` runs.
+
     python benchmarks/gpu_check_sglang.py --out /tmp/gpu_check
 """
 
@@ -16,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
-import json
 import socket
 import tempfile
 import time
@@ -31,11 +34,7 @@ from lit_parl.rollout.sglang import SGLangRolloutPool
 from lit_parl.tasks import CopyTask
 from lit_parl.trajectory import GroupRequest, SamplingParams, sample_seed
 
-
-def log(out: Path, record: dict) -> None:
-    print(json.dumps(record), flush=True)
-    with open(out / "gpu_check.jsonl", "a") as f:
-        f.write(json.dumps(record) + "\n")
+from gpu_records import log
 
 
 def free_port() -> int:
@@ -57,10 +56,11 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path("gpu_check_out"))
     parser.add_argument("--launch-command", nargs="+", default=None, help="server command (default: python -m sglang.launch_server)")
     parser.add_argument("--tolerance", type=float, default=0.1, help="max |log-prob difference| server vs trainer (bf16 kernels)")
+    parser.add_argument("--dtype", default="bfloat16", help="the server's --dtype (the stand-in's test: float32)")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     if args.launch_command is None and importlib.util.find_spec("sglang") is None:
-        log(args.out, {"check": "sglang", "status": "skipped", "why": "sglang is not importable here"})
+        log(args.out, {"check": "sglang", "status": "skipped", "why": "sglang is not importable here (carry its wheels: README, GPU check)"})
         return
     device = torch.device("cuda" if torch.cuda.is_available() and args.launch_command is None else "cpu")
     models = [tiny_qwen2(seed=s)[0].to(device).eval() for s in range(4)]
@@ -69,8 +69,14 @@ def main() -> None:
     sampling = SamplingParams(max_new_tokens=8, temperature=0.8)
     # triton attention takes the tiny model's head size; no CUDA graphs: a faster start for a short check
     server_args = ["--attention-backend", "triton", "--disable-cuda-graph"] if args.launch_command is None else []
+    gpus = torch.cuda.device_count() if device.type == "cuda" else 0
+    methods = ["disk", "tensor", "distributed"]
+    if gpus == 1:  # NCCL refuses two ranks of one group on one device: the trainer and the server share it here
+        methods.remove("distributed")
+        log(args.out, {"check": "sglang_sync_distributed", "status": "skipped", "why": "one GPU: the trainer and the server would be two NCCL ranks on one device"})
     pool = SGLangRolloutPool(
-        port=free_port(), launch_command=args.launch_command, server_args=server_args, mem_fraction_static=0.3,
+        port=free_port(), launch_command=args.launch_command, server_args=server_args, mem_fraction_static=0.3 if gpus == 1 else 0.6,
+        gpu_ids=[1] if gpus > 1 else None, dtype=args.dtype,
         dist_master_port=free_port(), dist_backend="nccl" if device.type == "cuda" else "gloo", start_timeout_s=300,
     )
     model_dir = tempfile.TemporaryDirectory(prefix="gpu_check_sglang_")  # the launched server builds its model here
@@ -81,7 +87,7 @@ def main() -> None:
         pool.start(PoolSpec(model_dir.name, eos_id=tokenizer.eos_token_id, pad_id=tokenizer.pad_token_id))
         log(args.out, {"check": "sglang_launch", "status": "ok", "seconds": round(time.monotonic() - started, 1)})
         previous = None
-        for version, method in enumerate(["disk", "tensor", "distributed"]):
+        for version, method in enumerate(methods):
             model = models[version + 1]
             pool.sync_method = method
             t0 = time.monotonic()

@@ -9,7 +9,7 @@ one dict or a list, ``n``, ``sampling_seed``, ``stop_token_ids``, ``stop``, ``re
 with ``output_ids`` and ``meta_info.output_token_logprobs`` / ``finish_reason`` / ``weight_version``),
 ``/server_info`` (``enable_deterministic_inference``), ``/model_info`` (its ``weight_version``), ``/begin_weight_update``, ``/end_weight_update``,
 ``/update_weights_from_disk``, ``/update_weights_from_tensor``, ``/init_weights_update_group``,
-``/update_weights_from_distributed`` (gloo here, NCCL in SGLang), ``/pause_generation``,
+``/update_weights_from_distributed`` (gloo here, NCCL in SGLang), ``/destroy_weights_update_group``, ``/pause_generation``,
 ``/continue_generation``, ``/flush_cache``.
 
 The weight-update API of current SGLang (0.5.23): no ``/get_weight_version`` route; tensor and distributed
@@ -32,14 +32,17 @@ otherwise ``{"type": "stop", "matched": <the string>}`` (the first of ``stop`` i
 completion holds) or ``{"type": "stop", "matched": <the token>}``. Assumed, not SGLang's exactly: the
 match runs on the whole completion's text with special tokens skipped (SGLang decodes a tail of
 ``stop``'s token length + 1 tokens, special tokens kept: the same on this character tokenizer's text).
-Laxer than SGLang, known: ``/generate`` while paused answers 503 at once (SGLang holds it until
-``/continue_generation``, and a pause in its default ``abort`` mode ends the requests running);
-``/flush_cache`` always succeeds (SGLang refuses it while requests run); with ``n`` > 1 sample ``k`` uses
-``sampling_seed + k`` (the pool sends one request per sample).
+As SGLang does: ``/generate`` while paused is held until ``/continue_generation``; ``/flush_cache`` is
+refused (HTTP 400) while a request runs; ``/update_weights_from_tensor`` reads one payload per
+tensor-parallel rank (``--tp-size``), each rank its own; ``--dtype`` sets the served precision.
+Laxer than SGLang, known: a pause does not abort the request running (its default ``abort`` mode
+does); with ``n`` > 1 sample ``k`` uses ``sampling_seed + k`` (the pool sends one request per sample).
 
 Faults for the tests: ``--die-after-generates N`` exits abruptly while answering the (N+1)-th
 ``/generate``; ``--malformed`` drops ``meta_info`` from answers; ``--stale-version`` accepts updates but
-keeps its weight version; ``--exit-at-start`` exits with code 3 before serving.
+keeps its weight version; ``--exit-at-start`` exits with code 3 before serving;
+``--refuse-distributed-updates`` answers ``/update_weights_from_distributed`` with a 400 without joining
+the broadcast.
 """
 
 from __future__ import annotations
@@ -57,40 +60,42 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from lit_parl.rollout.sampling import sample_groups
 from lit_parl.rollout.weight_transfer import deserialize_named_tensors, init_weight_update_group
 from lit_parl.trajectory import GroupRequest, SamplingParams
+from sglang_requests import SGLANG_SAMPLING_PARAMS, body_problem, generate_problem  # noqa: F401 - the contract tests read the set here
 
 
-# the API fields of SGLang's SamplingParams (python/sglang/srt/sampling/sampling_params.py)
-SGLANG_SAMPLING_PARAMS = {
-    "max_new_tokens", "stop", "stop_token_ids", "stop_regex", "temperature", "top_p", "top_k", "min_p", "frequency_penalty",
-    "presence_penalty", "repetition_penalty", "min_new_tokens", "n", "json_schema", "regex", "ebnf", "structural_tag",
-    "ignore_eos", "skip_special_tokens", "spaces_between_special_tokens", "no_stop_trim", "custom_params",
-    "stream_interval", "logit_bias", "sampling_seed",
-}
+# SGLang's --dtype choices (server_args.py)
+DTYPES = {"half": torch.float16, "float16": torch.float16, "bfloat16": torch.bfloat16, "float": torch.float32, "float32": torch.float32}
 
 
 class StandIn:
     def __init__(self, args: argparse.Namespace) -> None:
         torch.set_num_threads(1)
         self.args = args
-        self.model = AutoModelForCausalLM.from_pretrained(args.model_path, attn_implementation="sdpa").eval()
+        dtype = "auto" if args.dtype == "auto" else DTYPES[args.dtype]
+        self.model = AutoModelForCausalLM.from_pretrained(args.model_path, dtype=dtype, attn_implementation="sdpa").eval()
         self.tokenizer = None if args.skip_tokenizer_init else AutoTokenizer.from_pretrained(args.model_path)
         self.weight_version = "default"
         # read as SGLang reads it: log-probs before the temperature
         self.original_logprob = os.environ.get("SGLANG_RETURN_ORIGINAL_LOGPROB", "false").lower() in ("1", "true")
-        self.paused = False
+        self.resumed = asyncio.Event()  # cleared by /pause_generation: new requests wait for /continue_generation
+        self.resumed.set()
+        self.running = 0  # requests being sampled: /flush_cache is refused while there are any
         self.generates = 0
         self.group = None
+        self.group_name = None
         self.in_session = False  # between /begin_weight_update and /end_weight_update
         self.lock = asyncio.Lock()  # one model call at a time, like a scheduler's batch
 
     # -- generation ------------------------------------------------------------------------------------
     async def generate(self, request: web.Request) -> web.Response:
         body = await request.json()
+        problem = generate_problem(body)
+        if problem:
+            return web.json_response({"error": {"message": problem}}, status=400)  # SGLang's answer to a ValueError
         self.generates += 1
         if self.args.die_after_generates is not None and self.generates > self.args.die_after_generates:
             os._exit(1)  # a crash mid-request: the client sees the connection drop
-        if self.paused:
-            return web.json_response({"error": "generation is paused"}, status=503)
+        await self.resumed.wait()
         batched = isinstance(body["input_ids"][0], list)
         prompts = body["input_ids"] if batched else [body["input_ids"]]
         params = body.get("sampling_params", {})
@@ -100,20 +105,22 @@ class StandIn:
             return web.json_response({"error": {"message": refused}}, status=400)  # SGLang's answer to a ValueError
         outputs = []
         async with self.lock:
+          self.running += 1
+          try:
             for prompt, p in zip(prompts, params):
                 n = int(p.get("n", 1))
                 # SGLang honours sampling_seed only under --enable-deterministic-inference (then 42 when unset)
                 seed = (p.get("sampling_seed") if p.get("sampling_seed") is not None else 42) if self.args.enable_deterministic_inference else None
                 seeds = [seed + k if seed is not None else int(torch.randint(0, 2**62, ())) for k in range(n)]
                 outputs += await asyncio.to_thread(self._sample, prompt, p, seeds, bool(body.get("return_logprob")))
+          finally:
+            self.running -= 1
         return web.json_response(outputs if batched or len(outputs) > 1 else outputs[0])
 
     def _refused(self, params: list[dict]) -> str | None:
-        """What SGLang refuses in these sampling parameters (its ``SamplingParams`` and ``normalize``)."""
+        """What SGLang refuses in these sampling parameters beyond their fields (``sglang_requests``): stop strings
+        without a tokenizer (its ``normalize``)."""
         for p in params:
-            unknown = sorted(set(p) - SGLANG_SAMPLING_PARAMS)
-            if unknown:
-                return f"SamplingParams got unexpected keyword arguments {unknown}"
             if p.get("stop") and self.tokenizer is None:
                 return (f"stop={p['stop']!r} is unavailable when skip_tokenizer_init=True "
                         "(requires tokenizer to decode tokens to text for matching).")
@@ -127,6 +134,10 @@ class StandIn:
         if 0 <= temperature < 1e-6:  # SGLang's greedy: T = 1, the top token only
             temperature, top_k = 1.0, 1
         max_new_tokens = int(p.get("max_new_tokens", 128))
+        if max_new_tokens == 0:  # SGLang allows it: nothing generated, finished by length
+            meta = {"finish_reason": {"type": "length", "length": 0}, "prompt_tokens": len(prompt), "completion_tokens": 0,
+                    "weight_version": self.weight_version, **({"output_token_logprobs": []} if return_logprob else {})}
+            return [{"output_ids": [], "meta_info": meta} for _ in seeds]
         sampling = SamplingParams(
             max_new_tokens=max_new_tokens,
             temperature=temperature,
@@ -204,7 +215,7 @@ class StandIn:
 
     async def server_info(self, request: web.Request) -> web.Response:
         return web.json_response({"model_path": self.args.model_path, "tp_size": self.args.tp_size,
-                                  "enable_deterministic_inference": self.args.enable_deterministic_inference})
+                                  "enable_deterministic_inference": self.args.enable_deterministic_inference, "dtype": self.args.dtype})
 
     async def model_info(self, request: web.Request) -> web.Response:
         return web.json_response({"model_path": self.args.model_path, "is_generation": True, "weight_version": self.weight_version})
@@ -214,24 +225,40 @@ class StandIn:
         if refused is not None:
             return refused
         body = await request.json()
-        named = deserialize_named_tensors(body["serialized_named_tensors"][0])  # rank 0's share (tp 1)
-        self._load(named, body.get("weight_version"))
+        payloads = body["serialized_named_tensors"]
+        if len(payloads) != self.args.tp_size:  # SGLang's rank r reads payloads[r]: a short list fails a rank
+            message = f"serialized_named_tensors has {len(payloads)} payloads for tp_size {self.args.tp_size}"
+            return web.json_response({"success": False, "message": message}, status=400)
+        shares = [deserialize_named_tensors(payload) for payload in payloads]  # each rank unpickles its own
+        for share in shares[1:]:
+            if [n for n, _ in share] != [n for n, _ in shares[0]] or not all(torch.equal(a, b) for (_, a), (_, b) in zip(share, shares[0])):
+                return web.json_response({"success": False, "message": "tensor-parallel ranks got different weights"}, status=400)
+        self._load(shares[0], body.get("weight_version"))
         return web.json_response({"success": True, "message": "ok"})
 
     async def init_group(self, request: web.Request) -> web.Response:
         body = await request.json()
+        self.group_name = body["group_name"]
         self.group = await asyncio.to_thread(
             init_weight_update_group,
             body["master_address"], body["master_port"], body["rank_offset"], body["world_size"], body["group_name"], "gloo",
         )
         return web.json_response({"success": True, "message": "ok"})
 
+    async def destroy_group(self, request: web.Request) -> web.Response:
+        body = await request.json()
+        if self.group is None or body.get("group_name", "weight_update_group") != self.group_name:
+            return web.json_response({"success": False, "message": "The group to be destroyed does not exist."}, status=400)
+        torch.distributed.destroy_process_group(self.group)
+        self.group = None
+        return web.json_response({"success": True, "message": "Succeeded to destroy custom process group."})
+
     async def update_from_distributed(self, request: web.Request) -> web.Response:
         refused = self._outside_session("update_weights_from_distributed")
         if refused is not None:
             return refused
         body = await request.json()
-        if self.group is None:
+        if self.group is None or self.args.refuse_distributed_updates:
             return web.json_response({"success": False, "message": "no weight update group"}, status=400)
 
         def receive():
@@ -249,18 +276,34 @@ class StandIn:
         return web.json_response({"weight_version": self.weight_version})
 
     async def pause(self, request: web.Request) -> web.Response:
-        self.paused = True
+        self.resumed.clear()
         return web.json_response({"message": "Generation paused successfully.", "status": "ok"})
 
     async def resume(self, request: web.Request) -> web.Response:
-        self.paused = False
+        self.resumed.set()
         return web.json_response({"message": "Generation continued successfully.", "status": "ok"})
 
     async def flush_cache(self, request: web.Request) -> web.Response:
+        if self.running:  # SGLang's scheduler flushes only when idle (requests held by a pause do not count)
+            return web.Response(text=f"Cache not flushed because there are pending requests. #running-req: {self.running}\n", status=400)
         return web.Response(text="Cache flushed.\n")
 
     async def health(self, request: web.Request) -> web.Response:
         return web.Response(status=200)
+
+
+@web.middleware
+async def refuse_what_sglang_refuses(request: web.Request, handler):
+    """A control route's body that SGLang's request struct would not decode: HTTP 400, before the handler."""
+    if request.method == "POST" and request.path != "/generate" and request.can_read_body:
+        try:
+            body = await request.json()  # aiohttp keeps the body: the handler reads it again
+        except json.JSONDecodeError:
+            return web.json_response({"error": {"message": "the body is not JSON"}}, status=400)
+        problem = body_problem(request.path, body)
+        if problem:
+            return web.json_response({"error": {"message": problem}}, status=400)
+    return await handler(request)
 
 
 def main() -> None:
@@ -271,18 +314,20 @@ def main() -> None:
     parser.add_argument("--tp-size", type=int, default=1)
     parser.add_argument("--skip-tokenizer-init", action="store_true")
     parser.add_argument("--mem-fraction-static", type=float, default=None)
+    parser.add_argument("--dtype", default="auto", choices=["auto", *DTYPES])
     parser.add_argument("--enable-deterministic-inference", action="store_true")
     parser.add_argument("--die-after-generates", type=int, default=None)
     parser.add_argument("--malformed", action="store_true")
     parser.add_argument("--stale-version", action="store_true")
     parser.add_argument("--exit-at-start", action="store_true")
+    parser.add_argument("--refuse-distributed-updates", action="store_true")
     parser.add_argument("--legacy-api", action="store_true", help="an SGLang before weight-update sessions and /model_info's version")
     args = parser.parse_args()  # an unknown flag exits with code 2, as SGLang's own parser makes it
     if args.exit_at_start:
         print("stand-in: exiting at start as asked", flush=True)
         sys.exit(3)
     server = StandIn(args)
-    app = web.Application(client_max_size=1 << 30)
+    app = web.Application(client_max_size=1 << 30, middlewares=[refuse_what_sglang_refuses])
     app.router.add_get("/health", server.health)
     app.router.add_get("/health_generate", server.health)
     app.router.add_post("/generate", server.generate)
@@ -297,6 +342,7 @@ def main() -> None:
     app.router.add_post("/update_weights_from_tensor", server.update_from_tensor)
     app.router.add_post("/init_weights_update_group", server.init_group)
     app.router.add_post("/update_weights_from_distributed", server.update_from_distributed)
+    app.router.add_post("/destroy_weights_update_group", server.destroy_group)
     app.router.add_post("/pause_generation", server.pause)
     app.router.add_post("/continue_generation", server.resume)
     app.router.add_post("/flush_cache", server.flush_cache)

@@ -99,6 +99,7 @@ def spec(tmp_path_factory) -> PoolSpec:
 
 def start_pool(spec: PoolSpec, **kwargs) -> SGLangRolloutPool:
     kwargs.setdefault("launch_command", STANDIN)
+    kwargs.setdefault("dtype", "float32")  # the exactness checks compare with the float32 trainer (the default is bfloat16)
     kwargs.setdefault("port", free_port(kwargs.get("num_servers", 1)))
     kwargs.setdefault("start_timeout_s", 120)
     pool = SGLangRolloutPool(**kwargs)
@@ -523,7 +524,8 @@ def test_the_standin_answers_and_refuses_as_sglang_does(saved_model):
         assert post(url, {"stop_token_ids": [1, tokens[1]]}, seed)[1]["meta_info"]["finish_reason"] == {"type": "stop", "matched": tokens[1]}
         # the last allowed token is a stop token: SGLang checks the length limit first
         assert post(url, {"stop_token_ids": [1, tokens[5]]}, seed)[1]["meta_info"]["finish_reason"] == {"type": "length", "length": 6}
-        assert post(url, {"stop_strings": ["x"]}) == (400, {"error": {"message": "SamplingParams got unexpected keyword arguments ['stop_strings']"}})
+        status, refused = post(url, {"stop_strings": ["x"]})
+        assert status == 400 and "unknown field(s) ['stop_strings']" in refused["error"]["message"]
         status, refused = post(bare_url, {"stop": ["x"]})
         assert status == 400 and "unavailable when skip_tokenizer_init=True" in refused["error"]["message"]
 
@@ -576,7 +578,7 @@ def test_training_through_the_sglang_pool(tmp_path, monkeypatch):
 def test_the_gpu_check_sglang_section_runs_its_sequence_against_the_standin(tmp_path):
     """benchmarks/gpu_check_sglang.py (for GPU boxes with sglang) exercised here with the stand-in."""
     script = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu_check_sglang.py"
-    done = subprocess.run([sys.executable, str(script), "--out", str(tmp_path), "--launch-command", *STANDIN, "--tolerance", "1e-4"],
+    done = subprocess.run([sys.executable, str(script), "--out", str(tmp_path), "--launch-command", *STANDIN, "--tolerance", "1e-4", "--dtype", "float32"],
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     records = {r["check"]: r for r in map(json.loads, (tmp_path / "gpu_check.jsonl").read_text().splitlines())}
@@ -623,3 +625,182 @@ def test_generation_through_sglang_router(spec):
     finally:
         pool.close()
     assert not any(alive(p) for p in pids)
+
+
+def test_each_tensor_parallel_rank_gets_its_own_payload(saved_model, monkeypatch):
+    """SGLang's rank r unpickles ``serialized_named_tensors[r]`` and only that one (each unpickling of a CUDA IPC
+    handle is counted by the producer): a server at tp 2 needs two payloads, each pickled on its own. The
+    stand-in at ``--tp-size 2`` refuses a short list, as a real rank 1 would fail."""
+    import lit_parl.rollout.sglang.weights as weights
+
+    model, spec, model_dir = saved_model
+    calls = []
+    real = weights.serialize_named_tensors
+    monkeypatch.setattr(weights, "serialize_named_tensors", lambda named: calls.append(len(named)) or real(named))
+    process, url = launch_standin(model_dir, "--tp-size", "2")
+    try:
+        pool = SGLangRolloutPool(urls=[url], sync_method="tensor", tp_size=2)
+        try:
+            pool.start(spec)
+            pool.sync_weights(buckets(model), version=0)
+            assert len(calls) == 2 * len(buckets(model))  # two picklings per bucket
+            request = requests_for(0)[0]
+            (group,) = pool.generate([request], SAMPLING)
+            for completion, logprobs in zip(group.completions, group.logprobs):
+                torch.testing.assert_close(torch.tensor(logprobs), trainer_logprobs(model, request.prompt_tokens, completion, 0.7), atol=1e-4, rtol=0)
+        finally:
+            pool.close()
+        short = SGLangRolloutPool(urls=[url], sync_method="tensor", tp_size=1)
+        try:
+            short.start(spec)
+            with pytest.raises(RuntimeError, match="1 payloads for tp_size 2"):
+                short.sync_weights(buckets(model), version=1)
+        finally:
+            short.close()
+    finally:
+        process.kill()
+        process.wait()
+
+
+class SaysCUDA(torch.Tensor):
+    """A CPU tensor that answers ``is_cuda=True`` (there is no CUDA here)."""
+
+    is_cuda = True
+
+
+def test_cuda_tensors_are_pickled_with_sglangs_device_uuid_patch(monkeypatch):
+    """A CUDA IPC handle names its device by index, another GPU in a server with other CUDA_VISIBLE_DEVICES:
+    SGLang's ``monkey_patch_torch_reductions`` sends the UUID instead. The trainer applies it (once per
+    call, idempotent in SGLang) and, without sglang, says what to install. The real patch is applied in
+    the contract suite (tests/sglang_contract), a real CUDA handle in the GPU check."""
+    import types
+
+    from lit_parl.rollout import weight_transfer
+
+    applied = []
+    fake = types.ModuleType("sglang.srt.utils.patch_torch")
+    fake.monkey_patch_torch_reductions = lambda: applied.append(True)
+    for name in ("sglang", "sglang.srt", "sglang.srt.utils"):
+        monkeypatch.setitem(sys.modules, name, types.ModuleType(name))
+    monkeypatch.setitem(sys.modules, "sglang.srt.utils.patch_torch", fake)
+    weight_transfer.send_cuda_devices_by_uuid()
+    assert applied == [True]
+    weight_transfer.serialize_named_tensors([("w", torch.zeros(2))])  # CPU tensors: shared-memory files, no patch
+    assert applied == [True]
+    weight_transfer.serialize_named_tensors([("w", torch.zeros(2).as_subclass(SaysCUDA))])  # the serializer patches first
+    assert applied == [True, True]
+    monkeypatch.setitem(sys.modules, "sglang.srt.utils.patch_torch", None)  # not importable
+    with pytest.raises(ImportError, match=r"sync_method='tensor'\) with CUDA weights needs sglang .* sync_method='distributed'"):
+        weight_transfer.send_cuda_devices_by_uuid()
+
+
+def test_launched_servers_serve_bfloat16_by_default(spec):
+    """SGLang's ``--dtype auto`` serves a float32 checkpoint (what the trainer saves) in float16; the pool asks for
+    bfloat16, the trainer's compute precision under bf16-mixed, unless told otherwise."""
+    assert server_command(["sglang"], "m", "h", 1, 1, None, [], dtype="bfloat16")[-2:] == ["--dtype", "bfloat16"]
+    assert "--dtype" not in server_command(["sglang"], "m", "h", 1, 1, None, [], dtype=None)
+    with pytest.raises(ValueError, match=r"dtype='bf16'\): SGLang serves one of"):
+        SGLangRolloutPool(dtype="bf16")
+    pool = SGLangRolloutPool(launch_command=STANDIN, port=free_port(), start_timeout_s=120)  # the default dtype
+    pool.start(spec)
+    try:
+        with urllib.request.urlopen(pool._fleet.servers[0].url + "/server_info", timeout=10) as answer:
+            assert json.load(answer)["dtype"] == "bfloat16"
+    finally:
+        pool.close()
+
+
+def test_the_standin_holds_requests_while_paused_and_refuses_a_flush_while_one_runs(saved_model):
+    """As SGLang: a /generate sent while paused waits for /continue_generation (not refused), and /flush_cache
+    answers 400 while a request is being sampled."""
+    import concurrent.futures
+
+    model, spec, model_dir = saved_model
+    process, url = launch_standin(model_dir)
+
+    def post(path: str, body: dict, timeout: float = 60):
+        request = urllib.request.Request(url + path, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}, method="POST")
+        with urllib.request.urlopen(request, timeout=timeout) as answer:
+            return answer.status, answer.read()
+
+    generate = {"input_ids": [4, 5, 6], "sampling_params": {"max_new_tokens": 3}, "return_logprob": True}
+    try:
+        with concurrent.futures.ThreadPoolExecutor(2) as threads:
+            post("/pause_generation", {})
+            held = threads.submit(post, "/generate", generate)
+            time.sleep(1.5)
+            assert not held.done(), "a request sent while paused was answered before /continue_generation"
+            post("/continue_generation", {})
+            assert held.result(timeout=30)[0] == 200
+            # 500 tokens: the end token asked for (the first stop token id, to the stand-in) is never drawn
+            long = threads.submit(post, "/generate", {**generate, "sampling_params": {"max_new_tokens": 500, "stop_token_ids": [10**6]}})
+            refused = []
+            while not long.done() and not refused:  # SGLang refuses while a request runs
+                try:
+                    post("/flush_cache", {})
+                except urllib.error.HTTPError as error:
+                    refused.append(error.code)
+                time.sleep(0.05)
+            assert refused == [400], "no flush was refused while a 500-token request ran"
+            long.result(timeout=120)
+            assert post("/flush_cache", {})[0] == 200
+    finally:
+        process.kill()
+        process.wait()
+
+
+def test_a_refused_distributed_update_stops_the_sync_at_once_instead_of_waiting_out_the_broadcast(saved_model):
+    """A server that refuses /update_weights_from_distributed never joins the broadcast, which would wait for it
+    until the group's timeout (10 minutes): the refusal is raised as soon as it arrives."""
+    import threading
+
+    model, spec, model_dir = saved_model
+    process, url = launch_standin(model_dir, "--refuse-distributed-updates")
+    pool = SGLangRolloutPool(urls=[url], sync_method="distributed", dist_backend="gloo", dist_master_port=free_port())
+    outcome = []
+
+    def sync():
+        try:
+            pool.sync_weights(buckets(model), version=0)
+        except Exception as error:  # noqa: BLE001 - the test reads it
+            outcome.append(error)
+
+    try:
+        pool.start(spec)
+        thread = threading.Thread(target=sync, daemon=True)
+        started = time.monotonic()
+        thread.start()
+        thread.join(60)
+        assert not thread.is_alive(), "the sync still waits on a broadcast the server refused"
+        assert time.monotonic() - started < 30
+        assert len(outcome) == 1 and "refused, the broadcast abandoned" in str(outcome[0]) and "no weight update group" in str(outcome[0])
+        assert pool.version is None
+        with pytest.raises(RuntimeError, match="left the weight-update group unusable"):  # not a second broadcast into it
+            pool.sync_weights(buckets(model), version=0)
+    finally:
+        pool.close()
+        process.kill()
+        process.wait()
+
+
+def test_closing_the_pool_destroys_the_servers_side_of_the_weight_update_group(saved_model):
+    """An attached server outlives the pool: on close it is told to destroy its side of the group
+    (``/destroy_weights_update_group``), and the next trainer's pool builds a new one and syncs."""
+    model, spec, model_dir = saved_model
+    process, url = launch_standin(model_dir)
+    destroy = urllib.request.Request(url + "/destroy_weights_update_group", data=json.dumps({"group_name": "lit_parl_weight_update"}).encode(),
+                                     headers={"Content-Type": "application/json"}, method="POST")
+    try:
+        for version in range(2):  # two trainers in turn
+            pool = SGLangRolloutPool(urls=[url], sync_method="distributed", dist_backend="gloo", dist_master_port=free_port())
+            try:
+                pool.start(spec)
+                pool.sync_weights(buckets(model), version=version)
+                assert {g.version for g in pool.generate(requests_for(version), SAMPLING)} == {version}
+            finally:
+                pool.close()
+            with pytest.raises(urllib.error.HTTPError, match="400"):  # already destroyed by close()
+                urllib.request.urlopen(destroy, timeout=10)
+    finally:
+        process.kill()
+        process.wait()

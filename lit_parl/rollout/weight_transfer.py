@@ -3,7 +3,10 @@
 - ``serialize_named_tensors``: the ``/update_weights_from_tensor`` payload (same node). Tensors are
   pickled with torch's multiprocessing reductions, as SGLang's ``MultiprocessingSerializer`` does, then
   base64-encoded: CUDA tensors travel as IPC handles, never as bytes. CPU tensors go through shared
-  memory files (the ``file_system`` strategy), so a server on the same machine can open them.
+  memory files (the ``file_system`` strategy), so a server on the same machine can open them. A CUDA
+  handle names its device by index, which means another GPU in a server process that sees other
+  ``CUDA_VISIBLE_DEVICES``: SGLang's own ``monkey_patch_torch_reductions`` (applied by its servers before
+  they unpickle) makes the device travel as its UUID, so the trainer applies it too before pickling.
 - ``init_weight_update_group``: a process group of its own between the trainer (rank 0) and the
   servers' ranks, for ``/update_weights_from_distributed``. It is built like SGLang builds its side
   (TCP rendezvous, a store prefixed by the group name, a fresh process group), without touching the
@@ -16,7 +19,8 @@ from __future__ import annotations
 import base64
 import inspect
 import io
-from collections.abc import Iterable
+import time
+from collections.abc import Callable, Iterable
 from datetime import timedelta
 from pathlib import Path
 
@@ -30,6 +34,8 @@ def serialize_named_tensors(named_tensors: list[tuple[str, torch.Tensor]]) -> st
 
     The caller must keep the tensors alive until the server has answered (it maps their memory).
     """
+    if any(t.is_cuda for _, t in named_tensors):
+        send_cuda_devices_by_uuid()
     previous = torch_mp.get_sharing_strategy()
     on_cpu = any(not t.is_cuda for _, t in named_tensors)
     if on_cpu:  # a file descriptor cannot cross an HTTP request; a shared-memory file name can
@@ -41,6 +47,21 @@ def serialize_named_tensors(named_tensors: list[tuple[str, torch.Tensor]]) -> st
         if on_cpu:
             torch_mp.set_sharing_strategy(previous)
     return base64.b64encode(buffer.getvalue()).decode("ascii")
+
+
+def send_cuda_devices_by_uuid() -> None:
+    """Apply SGLang's ``monkey_patch_torch_reductions`` in this process: CUDA tensors pickled from now on name
+    their device by UUID, which the server's own patch maps to its local device index (the indices differ
+    whenever the two processes see different ``CUDA_VISIBLE_DEVICES``). Idempotent."""
+    try:
+        from sglang.srt.utils.patch_torch import monkey_patch_torch_reductions
+    except ImportError as error:
+        raise ImportError(
+            "SGLangRolloutPool(sync_method='tensor') with CUDA weights needs sglang importable in the trainer's process, "
+            "for its CUDA IPC patch (devices sent by UUID): pip install 'lit-parl[sglang]', or use sync_method='distributed' "
+            "or 'disk'"
+        ) from error
+    monkey_patch_torch_reductions()
 
 
 def deserialize_named_tensors(payload: str) -> list[tuple[str, torch.Tensor]]:
@@ -67,10 +88,23 @@ def init_weight_update_group(
     return group
 
 
-def broadcast_from_trainer(group: torch.distributed.ProcessGroup, tensors: Iterable[torch.Tensor]) -> None:
-    """Send each tensor from rank 0, in order (the servers receive in the order of the request's names)."""
+def broadcast_from_trainer(
+    group: torch.distributed.ProcessGroup, tensors: Iterable[torch.Tensor], refused: Callable[[], BaseException | None] = lambda: None
+) -> None:
+    """Send each tensor from rank 0, in order (the servers receive in the order of the request's names).
+
+    A server that refuses its update request never joins the broadcast, which would then wait for it until
+    the group's timeout (10 minutes). So each broadcast is started asynchronously and, while it is
+    pending, ``refused()`` is polled: an error it returns (the server's answer) is raised at once.
+    """
     for tensor in tensors:
-        torch.distributed.broadcast(tensor.contiguous(), src=0, group=group)
+        work = torch.distributed.broadcast(tensor.contiguous(), src=0, group=group, async_op=True)
+        while not work.is_completed():
+            error = refused()
+            if error is not None:
+                raise error
+            time.sleep(0.001)
+        work.wait()
 
 
 def save_shard(named_tensors: Iterable[tuple[str, torch.Tensor]], out_dir: str | Path, file_name: str) -> dict[str, str]:

@@ -22,7 +22,7 @@ from pathlib import Path
 from lit_parl.rollout.base import PoolSpec, RolloutPool, WeightBucket
 from lit_parl.rollout.sglang.client import HTTPClient, RouteNotFound, post_with_retries
 from lit_parl.rollout.sglang.messages import Ends, abort_reason, parse_group, sample_payload
-from lit_parl.rollout.sglang.servers import ServerFleet, check_server_env, router_command, server_command, stop_launched
+from lit_parl.rollout.sglang.servers import SERVER_DTYPES, ServerFleet, check_server_env, router_command, server_command, stop_launched
 from lit_parl.rollout.sglang.weights import SYNC_METHODS, WeightUpdater
 from lit_parl.rollout.stop_strings import load_tokenizer
 from lit_parl.trajectory import GroupCompletions, GroupRequest, SamplingParams
@@ -43,6 +43,9 @@ class SGLangRolloutPool(RolloutPool):
         tp_size: tensor-parallel GPUs per server.
         host, port: where launched servers listen.
         mem_fraction_static: SGLang's ``--mem-fraction-static`` (lower it when the trainer shares the GPU).
+        dtype: launched servers' ``--dtype``: ``bfloat16``, the trainer's compute precision under
+            ``bf16-mixed``. SGLang's own default, ``auto``, serves a float32 checkpoint (the trainer saves
+            one) in float16. ``None``: no flag.
         server_args: more ``sglang.launch_server`` arguments.
         gpu_ids: the GPUs to hand out, ``tp_size`` per server in order; ``None``: SGLang's default placement.
         router: launch ``sglang_router`` in front of the servers; generation goes through it, weight
@@ -77,6 +80,7 @@ class SGLangRolloutPool(RolloutPool):
         host: str = "127.0.0.1",
         port: int = 30000,
         mem_fraction_static: float | None = None,
+        dtype: str | None = "bfloat16",
         server_args: list[str] | tuple[str, ...] = (),
         gpu_ids: list[int] | None = None,
         router: bool = False,
@@ -108,6 +112,8 @@ class SGLangRolloutPool(RolloutPool):
                 f"SGLangRolloutPool(gpu_ids={list(gpu_ids)}): gpu_ids has {len(gpu_ids)} GPUs; "
                 f"{num_servers} servers x tp_size {tp_size} need {num_servers * tp_size}"
             )
+        if dtype is not None and dtype not in SERVER_DTYPES:
+            raise ValueError(f"SGLangRolloutPool(dtype={dtype!r}): SGLang serves one of {SERVER_DTYPES}")
         if max_retries < 0:
             raise ValueError(f"SGLangRolloutPool(max_retries={max_retries}): must be >= 0")
         self.urls = [u.rstrip("/") for u in urls] if urls else None
@@ -117,6 +123,7 @@ class SGLangRolloutPool(RolloutPool):
         self.host = host
         self.port = port
         self.mem_fraction_static = mem_fraction_static
+        self.dtype = dtype
         self.server_args = list(server_args)
         self.gpu_ids = list(gpu_ids) if gpu_ids is not None else None
         self.router = router
@@ -170,7 +177,7 @@ class SGLangRolloutPool(RolloutPool):
                 port = self.port + index
                 command = server_command(
                     self.launch_command, model_path, self.host, port, self.tp_size, self.mem_fraction_static, self.server_args,
-                    self.deterministic_inference,
+                    self.deterministic_inference, self.dtype,
                 )
                 env = dict(os.environ)
                 if self.gpu_ids is not None:
@@ -287,7 +294,7 @@ class SGLangRolloutPool(RolloutPool):
     def _close(self) -> None:
         try:
             if self._weights is not None:
-                self._weights.close()
+                self._weights.close(self._fleet.live() if self._fleet else [])
             if self._client is not None:
                 self._client.close()
         finally:

@@ -60,6 +60,9 @@ def check_server_env(env: dict[str, str]) -> None:
         )
 
 
+SERVER_DTYPES = ("auto", "half", "float16", "bfloat16", "float", "float32")  # sglang.launch_server --dtype
+
+
 def server_command(
     launch_command: list[str],
     model_path: str,
@@ -69,6 +72,7 @@ def server_command(
     mem_fraction_static: float | None,
     server_args: list[str],
     deterministic_inference: bool = False,
+    dtype: str | None = None,
 ) -> list[str]:
     """``sglang.launch_server``'s command line.
 
@@ -80,6 +84,8 @@ def server_command(
     command += ["--tp-size", str(tp_size)]
     if mem_fraction_static is not None:
         command += ["--mem-fraction-static", str(mem_fraction_static)]
+    if dtype is not None and "--dtype" not in server_args:
+        command += ["--dtype", dtype]
     if deterministic_inference and "--enable-deterministic-inference" not in server_args:
         command.append("--enable-deterministic-inference")
     return command + list(server_args)

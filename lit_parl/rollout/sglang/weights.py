@@ -9,7 +9,8 @@ as they come and reports its version at ``/get_weight_version``. The methods
 (``SGLangRolloutPool(sync_method=...)``):
 
 - ``tensor``: ``/update_weights_from_tensor`` per bucket, the tensors passed as CUDA IPC handles (or
-  shared-memory files for CPU tensors): trainer and servers on one node.
+  shared-memory files for CPU tensors), pickled once per tensor-parallel rank of each server, devices
+  named by UUID (``weight_transfer.send_cuda_devices_by_uuid``): trainer and servers on one node.
 - ``distributed``: ``/init_weights_update_group`` once, then ``/update_weights_from_distributed`` per
   bucket while the trainer broadcasts it over NCCL: servers on other nodes.
 - ``disk``: each bucket written as a safetensors shard in ``sync_dir`` (which every server must see),
@@ -69,6 +70,7 @@ class WeightUpdater:
         self.dist = (dist_master_address, dist_master_port, dist_backend)
         self.group_name = group_name
         self.group = None  # the weight-update process group, once the distributed method built it
+        self.abandoned = False  # a refused update left a broadcast pending in the group
 
     def sync(self, method: str, servers: list[Server], everyone: list[Server], buckets: Iterable[WeightBucket], version: int) -> None:
         """Load ``buckets`` as ``version`` on the live ``servers`` (of ``everyone`` the pool drives); confirm it."""
@@ -76,6 +78,8 @@ class WeightUpdater:
             raise ValueError(f"SGLangRolloutPool(sync_method={method!r}): choose one of {SYNC_METHODS}")
         if not servers:
             raise RuntimeError(f"no live SGLang server to sync version {version} to; down: {[s.url for s in everyone]}")
+        if method == "distributed" and self.abandoned:
+            raise RuntimeError("a refused distributed update left the weight-update group unusable: restart the servers and resume from the last checkpoint")
         if method == "distributed" and self.group is not None and len(servers) < len(everyone):
             # a broadcast to a group with a dead member would hang until the NCCL timeout
             down = [s.url for s in everyone if not s.alive]
@@ -116,7 +120,9 @@ class WeightUpdater:
         # CPU tensors travel as shared-memory files that close with their last reader: send fresh copies,
         # alive until every server has answered (CUDA tensors travel as IPC handles, uncopied)
         shared = [(name, t.detach() if t.is_cuda else t.detach().clone()) for name, t in bucket]
-        payload = {"serialized_named_tensors": [serialize_named_tensors(shared)] * self.tp_size, **fields}
+        # one payload per tensor-parallel rank, each pickled on its own: every rank unpickles only its own
+        # (SGLang's TpModelWorker.deserialize_own_rank), and each CUDA IPC handle is counted per unpickling
+        payload = {"serialized_named_tensors": [serialize_named_tensors(shared) for _ in range(self.tp_size)], **fields}
         self.client.run(self._each(servers, lambda s: self._update(s, "/update_weights_from_tensor", payload)))
         del shared
 
@@ -130,8 +136,16 @@ class WeightUpdater:
         }
         # the servers receive while this thread sends: the requests go first, the broadcast meets them
         updates = self.client.submit(self._each(servers, lambda s: self._update(s, "/update_weights_from_distributed", payload)))
+
+        def refused() -> BaseException | None:  # a server that fails its request will not join the broadcast
+            error = updates.exception() if updates.done() else None
+            if error is None:
+                return None
+            self.abandoned = True  # a broadcast is left pending in the group: it cannot serve another sync
+            return RuntimeError(f"the distributed weight update was refused, the broadcast abandoned: {error}")
+
         try:
-            broadcast_from_trainer(self.group, [t.detach() for _, t in bucket])
+            broadcast_from_trainer(self.group, [t.detach() for _, t in bucket], refused)
         except BaseException:
             updates.cancel()
             raise
@@ -233,8 +247,17 @@ class WeightUpdater:
     async def _each(servers: list[Server], call) -> list:
         return await asyncio.gather(*(call(s) for s in servers))
 
-    def close(self) -> None:
+    def close(self, servers: list[Server]) -> None:
+        """Leave the weight-update group: the live ``servers`` destroy their side first (an attached server
+        outlives this pool, and would otherwise keep the group's communicator), then the trainer."""
         if self.group is not None:
+            payload = {"group_name": self.group_name}
+
+            async def destroy_each():  # quietly: a server may be gone already
+                calls = (self.client.post(s.url, "/destroy_weights_update_group", payload, timeout=10.0) for s in servers)
+                await asyncio.gather(*calls, return_exceptions=True)
+
+            self.client.run(destroy_each())
             try:
                 torch.distributed.destroy_process_group(self.group)
             except Exception:  # noqa: BLE001 - the servers may be gone already
