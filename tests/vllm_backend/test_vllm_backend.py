@@ -15,6 +15,12 @@
   trainer takes its workers with it.
 * A worker killed with its work unfinished is replaced: every prompt comes back once, with the
   undisturbed call's samples and log-probs.
+* Tensor parallelism (two ranks under vLLM's multiprocessing executor, in the worker): each rank loads its
+  shard of every sync (the log-probs follow the synced model exactly), the ranks die with their worker
+  even when they cannot react (stopped), and a replaced worker starts ranks of its own that reproduce the
+  samples.
+* The vLLM functions the pool calls (``lit_parl.rollout.vllm_engine``'s docstring) still take the
+  arguments it passes.
 * Three iterations of the default job through the CLI with ``pool=vllm``: versions 0, 1, 2, every
   group stamped with its iteration's version, and a rollout/trainer log-prob mismatch near zero.
 
@@ -481,6 +487,125 @@ def test_a_model_vllm_cannot_run_fails_at_start_and_leaves_nothing(tmp_path):
     assert pool.health().workers == 0 and not pool.pids()
 
 
+# -- tensor parallelism -------------------------------------------------------------------------------
+def test_two_tensor_parallel_ranks_load_their_shards_die_with_their_worker_and_come_back_with_it(tmp_path, monkeypatch):
+    """tensor_parallel_size=2: vLLM's multiprocessing executor runs two ranks under the worker (whose engine
+    core stays in-process); collective_rpc gives each the whole tensors and each loads its shard."""
+    # vLLM's CPU build binds each rank's threads to a NUMA node of its own by default; this machine has one
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+    shared_memory = set(os.listdir("/dev/shm"))
+    model, tokenizer = tiny()
+    pool = VLLMRolloutPool(tensor_parallel_size=2, kv_cache_memory_bytes=KV_CACHE, max_restarts=1)
+    assert pool.engine_args["distributed_executor_backend"] == "mp"
+    sampling = SamplingParams(max_new_tokens=MAX_NEW, temperature=0.7)
+    try:
+        pool.start(save_spec(model, tokenizer, tmp_path / "model"))
+        (worker,) = pool.pids()
+        ranks = {p: start for p, start in _tree(worker).items() if _processes()[p][0] == worker}
+        assert len(ranks) == 2, f"expected two rank processes under the worker, found {ranks}"
+
+        # other weights than the model directory's, which both ranks built their shards from
+        perturbed = copy.deepcopy(model)
+        generator = torch.Generator().manual_seed(1)
+        with torch.no_grad():
+            for parameter in perturbed.parameters():
+                parameter.add_(0.1 * torch.randn(parameter.shape, generator=generator))
+        version = sync(pool, perturbed)
+        requests = group_requests(tokenizer, version, range(4))
+        synced = by_prompt(pool.generate(requests, sampling))
+        assert max_logprob_gap(perturbed, requests, synced.values(), sampling.temperature) < 1e-4, "a rank runs other weights"
+        assert max_logprob_gap(model, requests, synced.values(), sampling.temperature) > 1e-2
+
+        # stopped ranks cannot notice anything: only PR_SET_PDEATHSIG (set in each rank) takes them with their worker
+        for rank in ranks:
+            os.kill(rank, signal.SIGSTOP)
+        os.kill(worker, signal.SIGKILL)
+        assert not _wait_gone(ranks, 10.0), "tensor-parallel ranks outlived their worker"
+
+        again = by_prompt(pool.generate(requests, sampling))  # the dead worker is replaced, with ranks of its own
+        assert pool.health().details["restarts"] == 1
+        (replacement,) = pool.pids()
+        assert len([p for p in _tree(replacement) if _processes()[p][0] == replacement]) == 2
+        for prompt_id, group in again.items():
+            assert group.completions == synced[prompt_id].completions
+            torch.testing.assert_close(group.logprobs, synced[prompt_id].logprobs, atol=1e-5, rtol=0)
+        left = {replacement: _processes()[replacement][2], **_tree(replacement)}
+    finally:
+        pool.close()
+    assert not _wait_gone(left, 10.0), "the worker or its ranks outlived close"
+    # vLLM's CPU build leaves its ranks' shared-memory all-reduce files behind when they are stopped (its own
+    # engine shutdown does too, after its grace period): this test's, removed once every rank is gone
+    for name in set(os.listdir("/dev/shm")) - shared_memory:
+        if name.startswith("vllm_dist_") and "cpushm" in name:
+            os.remove(f"/dev/shm/{name}")
+
+
+# -- the vLLM API the pool relies on ------------------------------------------------------------------
+def test_the_vllm_functions_the_pool_calls_still_take_its_arguments():
+    """Each vLLM function lit_parl.rollout.vllm_engine calls (its module docstring names them and their files in
+    vLLM 0.32.0), bound to the arguments it is called with: a vLLM whose API moved fails here, not in a run."""
+    import dataclasses
+    import inspect
+
+    from vllm.inputs import tokens_input
+    from vllm.model_executor.layers.logits_processor import LogitsProcessor
+    from vllm.model_executor.layers.quantization.base_config import QuantizeMethodBase
+    from vllm.model_executor.model_loader.reload import inplace, layerwise
+    from vllm.model_executor.models.qwen2 import Qwen2ForCausalLM
+    from vllm.outputs import CompletionOutput
+    from vllm.platforms import current_platform
+    from vllm.sampling_params import RequestOutputKind, SamplingParams as VLLMSamplingParams
+    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+    from vllm.v1.worker.cpu_worker import CPUWorker
+    from vllm.v1.worker.gpu.model_runner import GPUModelRunner as GPUModelRunnerV2
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+    from vllm.v1.worker.gpu_worker import Worker
+
+    weights = iter(())
+    calls = [  # (function, positional arguments, keyword arguments) as lit_parl calls it; None stands for self
+        (LLMEngine.from_engine_args, (EngineArgs(model="unused"),), {}),
+        (LLMEngine.add_request, (None, "0/0", tokens_input(prompt_token_ids=[4, 5]), VLLMSamplingParams()), {}),
+        (LLMEngine.step, (None,), {}),
+        (LLMEngine.has_unfinished_requests, (None,), {}),
+        (LLMEngine.collective_rpc, (None, "lit_parl_load_weights"), {"args": ({}, 0)}),
+        (LLMEngine.reset_prefix_cache, (None,), {}),
+        (LLMEngine.set_weight_version, (None, "0"), {}),
+        # Worker.reload_weights(*args, **kwargs) passes them on to the model runner's (V1; V2 on GPUs by default)
+        (GPUModelRunner.reload_weights, (None,), {"weights_iterator": weights, "is_checkpoint_format": True}),
+        (GPUModelRunnerV2.reload_weights, (None,), {"weights_iterator": weights, "is_checkpoint_format": True}),
+        (inplace.reload_weights, (None, None), {"weights_iterator": weights, "weights_path": None, "is_checkpoint_format": True}),
+        (layerwise.initialize_layerwise_reload, (None,), {}),
+        (layerwise.finalize_layerwise_processing, (None, None), {}),
+        (Qwen2ForCausalLM.load_weights, (None,), {"weights": weights}),
+        (QuantizeMethodBase.process_weights_after_loading, (None, None), {}),
+        (LogitsProcessor.__init__, (None, 64), {"scale": 1.0}),
+        (CPUAttentionBackend.get_supported_head_sizes, (), {}),
+        (tokens_input, (), {"prompt_token_ids": [4, 5]}),
+    ]
+    for function, args, kwargs in calls:
+        try:
+            inspect.signature(function).bind(*args, **kwargs)
+        except TypeError as error:
+            raise AssertionError(f"{function.__qualname__}{inspect.signature(function)} no longer takes {args}, {kwargs}: {error}") from error
+
+    assert "model_runner.reload_weights" in inspect.getsource(Worker.reload_weights)
+    assert issubclass(CPUWorker, Worker) and CPUWorker.reload_weights is Worker.reload_weights
+    source = inspect.getsource(inplace.reload_weights)
+    assert all(step in source for step in ("initialize_layerwise_reload(model)", "model.load_weights(", "finalize_layerwise_reload(")), "reload_weights loads otherwise"
+    assert "self.scale" in inspect.getsource(LogitsProcessor.forward), "the temperature is folded into LogitsProcessor.scale"
+    assert all(callable(getattr(current_platform, name)) for name in ("is_cpu", "is_cuda_alike"))
+
+    # every EngineArgs the pool passes exists, and so does every SamplingParams field the engine sets
+    fields = {f.name for f in dataclasses.fields(EngineArgs)}
+    args = VLLMRolloutPool(tensor_parallel_size=2, gpu_memory_utilization=0.5, max_model_len=64, max_num_seqs=4).engine_args
+    assert set(args) | {"model", "logprobs_mode"} <= fields, sorted(set(args) - fields)
+    VLLMSamplingParams(
+        n=1, seed=1, temperature=1.0, top_p=1.0, top_k=0, max_tokens=4, stop_token_ids=[1], ignore_eos=True, stop=None,
+        logprobs=0, detokenize=False, output_kind=RequestOutputKind.FINAL_ONLY,
+    )
+    assert {"token_ids", "logprobs", "finish_reason", "weight_versions"} <= {f.name for f in dataclasses.fields(CompletionOutput)}
+
+
 # -- training -----------------------------------------------------------------------------------------
 def test_three_iterations_of_the_default_job_through_the_cli_on_vllm(tmp_path):
     with initialize_config_module(config_module="lit_parl.conf", version_base="1.3"):
@@ -521,3 +646,16 @@ def test_three_iterations_of_the_default_job_through_the_cli_on_vllm(tmp_path):
     assert any(not torch.equal(initial[k], v) for k, v in module.policy.state_dict().items()), "training did not move the policy"
     assert not _wait_gone(workers, 10.0), "vLLM workers outlived the fit"
 
+
+
+def test_the_gpu_checks_vllm_section_runs_its_sequence_on_the_cpu_build(tmp_path):
+    """benchmarks/gpu_check_vllm.py (the GPU check's vLLM section) with vllm-cpu's settings: the preset built,
+    two syncs, the versions, reproduced seeds and log-probs at the float32 bound, all in one record."""
+    import json
+
+    script = Path(__file__).resolve().parents[2] / "benchmarks" / "gpu_check_vllm.py"
+    done = subprocess.run([sys.executable, str(script), "--out", str(tmp_path), "--cpu"], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    (record,) = [json.loads(line) for line in (tmp_path / "gpu_check.jsonl").read_text().splitlines()]
+    assert record["status"] == "ok", record
+    assert record["versions"] == [1] and record["seeds_reproduce"] and record["logprob_gap_mean"] < 1e-4
