@@ -14,9 +14,16 @@ earlier tokens of its own completion. The backends compute exactly this one func
 - ``flex``: ``torch.nn.attention.flex_attention`` with a ``BlockMask`` built from the segment ids. It
   needs a GPU to train (there is no flex backward on CPU).
 - ``flash``: ``flash_attn_varlen_func`` over the varlen segments, with the same K/V index gather.
-  ``causal=True`` is bottom-right aligned. It needs CUDA and flash-attn.
-- ``npu``: ``torch_npu.npu_fusion_attention`` on the gathered buckets with an explicit mask (Ascend).
+  ``causal=True`` is bottom-right aligned. It needs CUDA and flash-attn, and float16/bfloat16 compute.
+- ``npu``: ``torch_npu.npu_fusion_attention`` on the gathered buckets with an explicit mask (Ascend);
+  float16/bfloat16 compute.
 - ``dense``: SDPA with the full ``[B, 1, L, L]`` mask. It is the reference for tests.
+
+**Compute dtype.** Attention computes in the autocast dtype inside an autocast region (Lightning's
+``bf16-mixed``), else in the dtype of the query. Under autocast, the model's RoPE leaves the query and key
+in float32 (float32 cos/sin times a bfloat16 projection) beside a bfloat16 value, so all three are cast to
+that one dtype first, as transformers' own flash-attention path does. ``flash`` and ``npu`` refuse float32
+compute with an error naming the fix; ``auto`` (``resolve_backend`` with the dtype) never picks them for it.
 
 Example::
 
@@ -35,7 +42,7 @@ from __future__ import annotations
 
 import importlib.util
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 
 import torch
 import torch.nn.functional as F
@@ -45,6 +52,11 @@ from .packing import SharedPromptLayout, dense_allowed
 
 ATTENTION_NAME = "lit_parl_shared_prompt"
 BACKENDS = ("sdpa", "flex", "flash", "npu", "dense")
+HALF_PRECISION = (torch.float16, torch.bfloat16)
+# backends whose kernels take float16/bfloat16 only: flash-attn refuses anything else ("FlashAttention only
+# support fp16 and bf16 data type"); npu_fusion_attention is documented for FLOAT16/BFLOAT16 (float32 only in
+# some later torch_npu releases, so it is not relied on)
+HALF_ONLY = {"flash": "flash-attn's flash_attn_varlen_func", "npu": "torch_npu's npu_fusion_attention"}
 
 
 def _flat(x: torch.Tensor) -> torch.Tensor:
@@ -177,34 +189,72 @@ def shared_prompt_attention(
     scale = scaling if scaling is not None else D**-0.5
     # a window no shorter than the longest segment's keys changes nothing: skip the extra mask
     window = sliding_window if sliding_window is not None and sliding_window < shared_prompt.max_seqlen_k else None
-    out = _KERNELS[shared_prompt.backend](query, key, value, shared_prompt, scale, window)
+    dtype = compute_dtype(query)
+    query, key, value = query.to(dtype), key.to(dtype), value.to(dtype)  # under autocast: float32 q/k, bf16 v
+    backend = shared_prompt.backend
+    if backend == "auto":
+        backend = resolve_backend("auto", query.device, dtype)
+    check_dtype(backend, dtype)
+    out = _KERNELS[backend](query, key, value, shared_prompt, scale, window)
     return out.view(B, L, H, D), None
 
 
 AttentionInterface.register(ATTENTION_NAME, shared_prompt_attention)
 
 
+def _device_type(device: torch.device | str) -> str:
+    # "npu" is a device type only once torch_npu is imported: read a name without torch.device
+    return device.split(":")[0] if isinstance(device, str) else device.type
+
+
 def available_backends(device: torch.device | str) -> list[str]:
     """Backends that can run forward and backward on ``device``."""
-    device = torch.device(device)
+    kind = _device_type(device)
     names = ["sdpa", "dense"]
-    if device.type == "cuda":
+    if kind == "cuda":
         names.append("flex")
         if importlib.util.find_spec("flash_attn") is not None:
             names.append("flash")
-    if device.type == "npu" and importlib.util.find_spec("torch_npu") is not None:
+    if kind == "npu" and importlib.util.find_spec("torch_npu") is not None:
         names.append("npu")
     return names
 
 
-def resolve_backend(requested: str, device: torch.device | str) -> str:
-    """``auto`` picks flash (CUDA with flash-attn), flex (CUDA), npu (Ascend), else sdpa; an explicit name
-    that cannot run on ``device`` is an error that says why."""
-    device = torch.device(device)
+def compute_dtype(tensor: torch.Tensor) -> torch.dtype:
+    """The dtype attention computes in for ``tensor``: the autocast dtype inside an autocast region on its
+    device (Lightning's ``bf16-mixed``: float32 weights, bfloat16 compute), else its own dtype."""
+    kind = tensor.device.type
+    return torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else tensor.dtype
+
+
+def check_dtype(backend: str, dtype: torch.dtype) -> None:
+    """Refuse, naming the fix, a backend whose kernel cannot compute in ``dtype`` (flash and npu: float16 or
+    bfloat16 only)."""
+    if backend in HALF_ONLY and dtype not in HALF_PRECISION:
+        raise ValueError(
+            f"attention backend {backend!r} computes in float16/bfloat16 only ({HALF_ONLY[backend]} refuses {dtype}). Train in "
+            "bfloat16 with float32 master weights: Trainer(precision='bf16-mixed') (lit-parl trainer=gpu, or "
+            "trainer.precision=bf16-mixed), or load the model in bfloat16 (model.dtype=bfloat16); or keep float32 with "
+            "module.attention_backend=flex (CUDA) or sdpa"
+        )
+
+
+def resolve_backend(requested: str, device: torch.device | str, dtype: torch.dtype | None = None) -> str:
+    """The backend to run on ``device`` computing in ``dtype`` (``compute_dtype``; ``None``: not known yet).
+
+    ``auto`` picks flash (CUDA with flash-attn), flex (CUDA), npu (Ascend), else sdpa, leaving out flash and
+    npu for a float32 ``dtype`` (their kernels take float16/bfloat16 only). An explicit name that cannot run on
+    ``device``, or in ``dtype``, is an error that says why and what to change.
+
+    Example::
+
+        >>> resolve_backend("auto", "cpu", torch.float32)
+        'sdpa'
+    """
     available = available_backends(device)
     if requested == "auto":
         for name in ("flash", "flex", "npu", "sdpa"):
-            if name in available:
+            if name in available and (dtype is None or dtype in HALF_PRECISION or name not in HALF_ONLY):
                 return name
     if requested not in BACKENDS:
         raise ValueError(f"attention backend {requested!r} is unknown; choose auto or one of {BACKENDS}")
@@ -214,7 +264,9 @@ def resolve_backend(requested: str, device: torch.device | str) -> str:
             "flash": "a CUDA device and the flash-attn package (pip install 'lit-parl[flash-attn]')",
             "npu": "an Ascend NPU and torch_npu (pip install 'lit-parl[torch-npu]')",
         }[requested]
-        raise RuntimeError(f"attention backend {requested!r} cannot run on {device.type}: it needs {needs}. Available here: {available}")
+        raise RuntimeError(f"attention backend {requested!r} cannot run on {_device_type(device)}: it needs {needs}. Available here: {available}")
+    if dtype is not None:
+        check_dtype(requested, dtype)
     return requested
 
 
@@ -228,3 +280,31 @@ def use_shared_prompt_attention(model: PreTrainedModel) -> Iterator[None]:
         yield
     finally:
         config._attn_implementation = previous
+
+
+def checkpoint_context_fn(model: PreTrainedModel):
+    """``context_fn`` for non-reentrant ``torch.utils.checkpoint`` around the layers of ``model``: the backward's
+    recomputation of a layer runs with the attention implementation its forward had.
+
+    ``use_shared_prompt_attention`` switches the implementation only for the forward's duration; the backward
+    comes after, and without this a checkpointed layer would be recomputed with the model's own attention
+    (transformers reads ``config._attn_implementation`` at each call), which does not compute the shared-prompt
+    function (torch's check of the recomputed tensors catches it only when their number differs).
+    """
+    config = model.config
+
+    def context_fn():
+        implementation = config._attn_implementation  # at the forward
+
+        @contextmanager
+        def recomputation() -> Iterator[None]:
+            previous = config._attn_implementation
+            config._attn_implementation = implementation
+            try:
+                yield
+            finally:
+                config._attn_implementation = previous
+
+        return nullcontext(), recomputation()
+
+    return context_fn

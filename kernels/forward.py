@@ -4,6 +4,11 @@ The backbone (``model.get_decoder()``) runs over the packed tokens with shared-p
 padded rows with the model's own causal attention. The hidden states are gathered at the label
 positions only, and the LM head runs through ``linear_token_logprobs``. The head therefore never sees
 prompt positions, and no ``[N, V]`` float32 logits exist at once.
+
+Inside an autocast region (Lightning's ``bf16-mixed``), the hidden states and the head's weight are cast to
+the autocast dtype before the head's kernel, whose backward runs outside the region: forward and backward
+then compute the same bfloat16 logits (the float32 weight receives the gradient through the cast). Outside
+autocast everything runs in the weights' dtype.
 """
 
 from __future__ import annotations
@@ -42,8 +47,13 @@ def completion_logprobs(
     else:
         hidden = backbone(input_ids=tokens.input_ids, use_cache=False).last_hidden_state
     selected = hidden.reshape(-1, hidden.shape[-1])[tokens.label_positions]
+    weight, bias = head.weight, head.bias
+    if torch.is_autocast_enabled(selected.device.type):  # the backward recomputes the logits outside autocast: same dtype
+        dtype = torch.get_autocast_dtype(selected.device.type)
+        selected, weight = selected.to(dtype), weight.to(dtype)
+        bias = bias.to(dtype) if bias is not None else None
     logprobs, entropy = linear_token_logprobs(
-        selected, head.weight, tokens.label_targets, temperature, bias=head.bias, chunk_size=chunk_size, with_entropy=True
+        selected, weight, tokens.label_targets, temperature, bias=bias, chunk_size=chunk_size, with_entropy=True
     )
 
     def place(values: torch.Tensor) -> torch.Tensor:

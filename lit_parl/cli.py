@@ -103,7 +103,8 @@ def build(cfg: DictConfig) -> tuple[GRPOModule, RolloutDataModule, lightning.Tra
         default_root_dir=str(cfg.run_dir),
         enable_checkpointing=any(isinstance(c, ModelCheckpoint) for c in callbacks),
     )
-    resolve_backend(module.attention_backend, trainer.strategy.root_device)  # fail before any process starts
+    # fail before any process starts, for the dtype the forward will compute in
+    resolve_backend(module.attention_backend, trainer.strategy.root_device, module.compute_dtype(str(trainer.precision)))
     return module, datamodule, trainer
 
 

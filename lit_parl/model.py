@@ -45,7 +45,14 @@ def tiny_qwen2(
 
 
 def pretrained(path: str, dtype: str = "float32") -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
-    """A local Hugging Face model directory (config, weights and tokenizer)."""
+    """A local Hugging Face model directory (config, weights and tokenizer).
+
+    Args:
+        path: the directory (written by ``save_pretrained``); nothing is downloaded.
+        dtype: the policy's weights' dtype. Keep ``float32`` (the master weights the optimizer updates) and compute
+            in bfloat16 with ``Trainer(precision="bf16-mixed")`` (``trainer=gpu``): bfloat16 weights lose every
+            update smaller than about 2^-8 of a weight.
+    """
     directory = Path(path)
     if not (directory / "config.json").is_file():
         raise FileNotFoundError(
@@ -71,7 +78,7 @@ def gguf(path: str, cache_dir: str | None = None, dtype: str = "float32") -> tup
         path: the ``.gguf`` file.
         cache_dir: where converted models are kept; ``None``: ``$LIT_PARL_CACHE`` or ``~/.cache/lit_parl``,
             then ``gguf/``.
-        dtype: the policy's dtype.
+        dtype: the policy's weights' dtype (``float32``: see ``pretrained``).
     """
     file = Path(path).expanduser().resolve()
     if not file.is_file():

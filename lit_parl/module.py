@@ -42,10 +42,12 @@ from lit_parl.callbacks.full_tensors import is_sharded
 from lit_parl.data.shape import IterationShape
 from lit_parl.data.gate import OffPolicyError
 from lit_parl.guards import NonFiniteGuard, off_policy_problem, worst_group_mismatch
+from lit_parl.kernels.attention import compute_dtype as attention_dtype
 from lit_parl.kernels.attention import resolve_backend
 from lit_parl.kernels.forward import check_supported, completion_logprobs
 from lit_parl.iteration_metrics import IterationMetrics
 from lit_parl.iteration_progress import IterationProgress
+from lit_parl.precision import compute_dtype, enable_checkpointing, warn_if_half_precision_weights
 from lit_parl.lean_checkpoint import fingerprint, leave_out, put_back
 from lit_parl.limits import check_memory, context_length
 from lit_parl.objectives import GRPOObjective, kl_estimate
@@ -76,7 +78,9 @@ class GRPOModule(LightningModule):
             learning rate.
         max_grad_norm: clip the gradient's global norm to this (``None``: no clipping).
         temperature: the sampling temperature: log-probs are computed from logits / T, as sampled.
-        attention_backend: shared-prompt attention backend (``auto`` picks the best for the device).
+        attention_backend: shared-prompt attention backend: ``auto`` picks the best one for the device and the
+            compute dtype (``compute_dtype``), resolved at fit start; flash and npu compute in float16/bfloat16
+            only, so ``auto`` never picks them for float32, and naming one for float32 is an error.
         logprob_chunk_size: label tokens per LM-head chunk (memory: chunk x vocabulary floats).
         on_nonfinite: what a NaN or infinite advantage, log-prob, loss or gradient does to its optimizer
             step: ``skip`` it (counted as ``nonfinite/skipped_steps``, with a warning naming the prompts) or
@@ -85,6 +89,16 @@ class GRPOModule(LightningModule):
             memory exceeds this (``lit_parl.limits.check_memory``); ``None``: no budget.
         max_sample_tokens: prompt plus completion tokens of the longest sample, for that estimate
             (``None``: the model's context, an upper bound).
+        gradient_checkpointing: recompute each of the policy's decoder layers in the backward instead of keeping
+            its activations (transformers' activation checkpointing, non-reentrant): activation memory of one
+            layer instead of all of them, for one more forward of the decoder. The gradient is the same. θ_k
+            and the reference run without gradients and are never checkpointed. It acts while the policy is in
+            training mode (Lightning's fit puts it there).
+
+    Precision: on a GPU train with ``Trainer(precision="bf16-mixed")`` (``trainer=gpu``) and a float32 policy:
+    the weights (and θ_k, the reference) stay float32 and the forward computes in bfloat16 under autocast.
+    bfloat16 weights would round away every update smaller than about 2^-8 of a weight, so a policy loaded in
+    half precision (or ``precision="bf16-true"``) is warned about at fit start; float16 is refused (no loss scaler).
     """
 
     def __init__(
@@ -102,6 +116,7 @@ class GRPOModule(LightningModule):
         on_nonfinite: str = "skip",
         memory_budget_gib: float | None = None,
         max_sample_tokens: int | None = None,
+        gradient_checkpointing: bool = False,
     ) -> None:
         super().__init__()
         check_supported(policy)
@@ -136,6 +151,9 @@ class GRPOModule(LightningModule):
         self._off_policy: str | None = None  # what the on-policy check found in this optimizer step's micro-batches
         self.reference = _frozen_copy(policy) if objective.needs_reference else None
         self.old = _frozen_copy(policy) if shape.optimizer_steps > 1 else None
+        self.gradient_checkpointing = gradient_checkpointing
+        if gradient_checkpointing:  # the policy only, after the copies: θ_k and the reference keep no activations anyway
+            enable_checkpointing(policy)
         # checkpoints leave out what the module rebuilds: θ_0 (from the initial model, checked against this) and,
         # between iterations, θ_k (the policy at the iteration's start)
         self._reference_fingerprint = fingerprint(self.reference) if self.reference is not None else None
@@ -160,7 +178,16 @@ class GRPOModule(LightningModule):
                 "manual optimizer step (gradient normalised per mini-batch, non-finite steps skipped) does not run. "
                 "Use precision='bf16-mixed' or '32-true'."
             )
+        warn_if_half_precision_weights(self.trainer, self.policy)
         prepare_strategy(self.trainer.strategy, self.max_grad_norm, self.shape.micro_batch_size)
+
+    def compute_dtype(self, precision: str | None = None) -> torch.dtype:
+        """The dtype the forward computes in under ``precision`` (default: the trainer's): bfloat16 under
+        ``bf16-*`` (autocast over float32 weights, or converted weights), else the policy's weights' dtype. The
+        attention backend is chosen for it (``auto`` never picks a half-only kernel for float32)."""
+        if precision is None and self._trainer is not None:
+            precision = str(self._trainer.precision)
+        return compute_dtype(precision, self.policy)
 
     def configure_model(self) -> None:
         """Shard the policy, θ_k and the reference alike: under ``ModelParallelStrategy`` with FSDP2 over the
@@ -202,7 +229,7 @@ class GRPOModule(LightningModule):
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
     def on_fit_start(self) -> None:
-        self._backend = resolve_backend(self.attention_backend, self.device)
+        self._backend = resolve_backend(self.attention_backend, self.device, self.compute_dtype())
         if is_zero3(next(self.policy.parameters())) and not self._zero3:  # DeepSpeed has partitioned the models by now
             for model in (self.policy, self.old, self.reference):
                 if model is not None:
@@ -229,8 +256,9 @@ class GRPOModule(LightningModule):
     # -- the algorithm ---------------------------------------------------------------------------------
     def completion_logprobs(self, model: PreTrainedModel, batch: MicroBatch, with_entropy: bool = False):
         """Log-probs ``[n, T]`` of the batch's completions under ``model`` at the sampling temperature."""
-        if batch.tokens.attention is not None:
-            batch.tokens.attention.backend = self._backend or resolve_backend(self.attention_backend, self.device)
+        if batch.tokens.attention is not None:  # resolved at fit start; outside a fit, for what autocast or the weights compute in now
+            backend = self._backend or resolve_backend(self.attention_backend, self.device, attention_dtype(next(model.parameters())))
+            batch.tokens.attention.backend = backend
         sharded = self._sharded.get(id(model))
         if sharded is not None:  # FSDP2: through the root unit, which gathers what the kernel reads
             return sharded(batch.tokens, self.temperature, self.logprob_chunk_size, with_entropy)

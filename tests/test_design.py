@@ -17,6 +17,7 @@ LAYERS = {
     "lit_parl.data": 3,
     "lit_parl.module": 4, "lit_parl.datamodule": 4, "lit_parl.guards": 4, "lit_parl.iteration_metrics": 4,
     "lit_parl.iteration_progress": 4, "lit_parl.lean_checkpoint": 4, "lit_parl.sharding": 4, "lit_parl.parallel": 4,
+    "lit_parl.precision": 4,
     "lit_parl.cli": 5, "lit_parl.__main__": 5,
 }
 
