@@ -7,6 +7,8 @@ and their final policy is compared with the one-device run (relative difference 
 GPU's float32 kernels are not bitwise across layouts); every rank's samples must together be the one-device
 run's, each once. With one GPU they run at world size 1 and this says that sharding was not exercised.
 
+Each outcome is a record of the check's results file (``gpu_records``).
+
 Usage: python benchmarks/gpu_strategies.py --out DIR     (called by benchmarks/gpu_check.sh)
 """
 
@@ -19,6 +21,8 @@ import sys
 from pathlib import Path
 
 import torch
+
+from gpu_records import log
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "tests" / "distributed_fit.py"
@@ -41,31 +45,31 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
-    out = Path(args.out) / "strategies"
+    records = Path(args.out)
+    out = records / "strategies"
     gpus = torch.cuda.device_count()
     if gpus == 0:
-        print("strategies: skipped (no CUDA device)")
+        log(records, {"check": "strategies", "status": "skipped", "why": "no CUDA device"})
         return
     world = 2 if gpus >= 2 else 1
-    if world == 1:
-        print("strategies: one GPU: every strategy runs at world size 1; sharding and the rank split were NOT exercised")
+    note = None if world == 2 else "one GPU: world size 1, so sharding and the rank split were NOT exercised"
     single = run(out / "single", "single", 1)
     if "error" in single:
-        print(f"strategies: the one-device run failed:\n{single['error']}")
+        log(records, {"check": "strategy_single", "status": "FAILED", "error": single["error"]})
         sys.exit(1)
     failed = False
     for strategy in ("ddp", "fsdp2", "fsdp", "deepspeed2", "deepspeed3"):
         result = run(out / strategy, strategy, world)
         if "error" in result:
-            print(f"strategies: {strategy} x{world} FAILED:\n{result['error']}")
+            log(records, {"check": f"strategy_{strategy}", "status": "FAILED", "world_size": world, "error": result["error"]})
             failed = True
             continue
         worst = max(float((result["policy"][k] - v).abs().max() / v.abs().max().clamp(min=1e-12)) for k, v in single["policy"].items())
         same_samples = result["samples"] == single["samples"] and len(set(result["samples"])) == len(result["samples"])
-        verdict = "OK" if worst <= 1e-4 and same_samples else "MISMATCH"
-        failed |= verdict != "OK"
-        print(f"strategies: {strategy} x{world}: {verdict} worst relative difference {worst:.2e} from one device; "
-              f"shares {result['shares']}; every sample once, the one-device run's: {same_samples}")
+        ok = worst <= 1e-4 and same_samples
+        failed |= not ok
+        log(records, {"check": f"strategy_{strategy}", "status": "ok" if ok else "FAILED", "world_size": world, "note": note,
+                      "max_rel_diff_from_one_device": worst, "shares": result["shares"], "every_sample_once_as_one_device": same_samples})
     sys.exit(1 if failed else 0)
 
 
