@@ -21,7 +21,7 @@ worker (``PR_SET_PDEATHSIG``, set in each through ``collective_rpc`` once the en
 GPUs: ``gpu_ids`` gives each worker its own ``CUDA_VISIBLE_DEVICES`` (``tensor_parallel_size`` GPUs per
 worker), set in the spawned process before vLLM or torch initialise CUDA there; a replacement of a dead
 worker gets the same GPUs. Without it (``gpu_ids=None``) every engine inherits the trainer's environment
-and uses its first visible GPU, beside the trainer: set ``gpu_memory_utilization`` low enough for the
+and uses its first visible GPU (its first ``tensor_parallel_size`` ones), beside the trainer: set ``gpu_memory_utilization`` low enough for the
 trainer and every engine to fit (``conf/pool/vllm_gpu.yaml`` is the GPU preset: bfloat16, a KV cache sized
 by ``gpu_memory_utilization``, a real ``max_model_len``).
 
@@ -76,6 +76,7 @@ import os
 from collections.abc import Iterator, Sequence
 
 from lit_parl.rollout.base import BF16_LOGPROB_TOLERANCE, FP32_LOGPROB_TOLERANCE, PoolSpec
+from lit_parl.rollout.gpu_placement import shown, split_gpu_ids, visible_devices
 from lit_parl.rollout.vllm_engine import EXTENSION, VLLMEngine
 from lit_parl.rollout.workers import SpawnedWorkerPool
 from lit_parl.trajectory import GroupCompletions, GroupRequest, SamplingParams
@@ -184,10 +185,10 @@ class VLLMRolloutPool(SpawnedWorkerPool):
                 f"VLLMRolloutPool(tensor_parallel_size={tensor_parallel_size}, engine_kwargs={{'distributed_executor_backend': "
                 f"{executor!r}}}): the ranks need a process each; remove distributed_executor_backend (the pool uses 'mp')"
             )
-        self.gpu_ids = _split_gpu_ids(gpu_ids, num_workers, tensor_parallel_size)
+        self.gpu_ids = split_gpu_ids(gpu_ids, num_workers, tensor_parallel_size, "VLLMRolloutPool")
         if self.gpu_ids is not None and (build := installed_cpu_build()) is not None:
             raise ValueError(
-                f"VLLMRolloutPool(gpu_ids={_shown(gpu_ids)}): the installed vLLM is a CPU build ({build}), which runs on no GPU; "
+                f"VLLMRolloutPool(gpu_ids={shown(gpu_ids)}): the installed vLLM is a CPU build ({build}), which runs on no GPU; "
                 "remove gpu_ids (pool.gpu_ids=null) or install a CUDA build of vLLM"
             )
         if self.gpu_ids is None and gpu_memory_utilization is not None and num_workers * gpu_memory_utilization > 1:
@@ -229,7 +230,7 @@ class VLLMRolloutPool(SpawnedWorkerPool):
 
     def _start(self, spec: PoolSpec) -> None:
         # resolved now, against the environment the workers are started from, and kept for replacements
-        self._worker_gpus = None if self.gpu_ids is None else visible_devices(self.gpu_ids, os.environ.get("CUDA_VISIBLE_DEVICES"))
+        self._worker_gpus = None if self.gpu_ids is None else visible_devices(self.gpu_ids, os.environ.get("CUDA_VISIBLE_DEVICES"), "VLLMRolloutPool")
         super()._start(spec)
 
     def _worker_env(self, index: int) -> dict[str, str]:
@@ -253,73 +254,6 @@ class VLLMRolloutPool(SpawnedWorkerPool):
         # every prompt goes out now, round-robin: each engine batches all of its share at once
         shares = [(worker, requests[worker :: self.num_workers]) for worker in range(self.num_workers)]
         return [(worker, share) for worker, share in shares if share]
-
-
-def _shown(gpu_ids) -> list:
-    """``gpu_ids`` as plain lists, for messages (Hydra passes ListConfig)."""
-    return [_shown(g) if isinstance(g, Sequence) and not isinstance(g, str) else g for g in gpu_ids]
-
-
-def _split_gpu_ids(gpu_ids, num_workers: int, tensor_parallel_size: int) -> list[list[int | str]] | None:
-    """Each worker's GPU ids, checked: ``tensor_parallel_size`` per worker, no id used twice."""
-    if gpu_ids is None:
-        return None
-    if isinstance(gpu_ids, (str, int)):
-        raise ValueError(f"VLLMRolloutPool(gpu_ids={gpu_ids!r}): give a list, e.g. gpu_ids=[{gpu_ids!r}]")
-    shown, needed = _shown(gpu_ids), num_workers * tensor_parallel_size
-    nested = [isinstance(g, Sequence) and not isinstance(g, str) for g in shown]
-    fix = (
-        f"give num_workers * tensor_parallel_size = {num_workers} * {tensor_parallel_size} = {needed} ids "
-        f"({tensor_parallel_size} per worker, in order), or change num_workers (pool.num_workers)"
-    )
-    if any(nested) and not all(nested):
-        raise ValueError(f"VLLMRolloutPool(gpu_ids={shown}): mixes lists and ids; give a list per worker ([[0], [1]]) or a flat list ([0, 1])")
-    if all(nested) and shown:
-        if len(shown) != num_workers or any(len(ids) != tensor_parallel_size for ids in shown):
-            raise ValueError(
-                f"VLLMRolloutPool(gpu_ids={shown}): {len(shown)} list(s) of {sorted({len(ids) for ids in shown})} id(s), "
-                f"for {num_workers} worker(s) of tensor_parallel_size={tensor_parallel_size}: {fix}"
-            )
-        per_worker = [list(ids) for ids in shown]
-    else:
-        if len(shown) != needed:
-            raise ValueError(f"VLLMRolloutPool(gpu_ids={shown}): {len(shown)} GPU id(s) for {num_workers} worker(s); {fix}")
-        per_worker = [shown[i * tensor_parallel_size : (i + 1) * tensor_parallel_size] for i in range(num_workers)]
-    for ids in per_worker:
-        for gpu in ids:
-            if isinstance(gpu, bool) or not isinstance(gpu, (int, str)) or (isinstance(gpu, int) and gpu < 0) or (isinstance(gpu, str) and not gpu.strip()):
-                raise ValueError(f"VLLMRolloutPool(gpu_ids={shown}): {gpu!r} is no GPU id; give GPU indices (0, 1, ...) or UUIDs")
-    seen: dict[str, int] = {}
-    for worker, ids in enumerate(per_worker):
-        for gpu in ids:
-            other = seen.setdefault(str(gpu), worker)
-            if other != worker or ids.count(gpu) > 1:
-                where = f"workers {other} and {worker}" if other != worker else f"worker {worker}, twice"
-                raise ValueError(
-                    f"VLLMRolloutPool(gpu_ids={shown}): GPU {gpu!r} is given to {where}; each GPU serves one "
-                    "rank of one worker: give distinct ids, or gpu_ids=null to run every engine on the trainer's device"
-                )
-    return per_worker
-
-
-def visible_devices(per_worker: list[list[int | str]], trainer_visible: str | None) -> list[str]:
-    """Each worker's ``CUDA_VISIBLE_DEVICES``: an integer id indexes the trainer's own ``CUDA_VISIBLE_DEVICES``
-    where it has one (GPU i as this process numbers it); a string, and any id without one, is passed as it is."""
-    visible = None if trainer_visible is None else [d.strip() for d in trainer_visible.split(",") if d.strip()]
-    result = []
-    for ids in per_worker:
-        mapped = []
-        for gpu in ids:
-            if isinstance(gpu, int) and visible is not None:
-                if gpu >= len(visible):
-                    raise ValueError(
-                        f"VLLMRolloutPool(gpu_ids=...): GPU {gpu} does not exist in this process, which sees "
-                        f"CUDA_VISIBLE_DEVICES={trainer_visible!r} ({len(visible)} GPU(s), numbered from 0): give ids below {len(visible)}"
-                    )
-                gpu = visible[gpu]
-            mapped.append(str(gpu))
-        result.append(",".join(mapped))
-    return result
 
 
 def installed_cpu_build() -> str | None:

@@ -94,11 +94,11 @@ def test_gpu_ids_that_do_not_fit_the_workers_are_refused_naming_the_fix(gpu_buil
 
 
 def test_integer_ids_index_the_trainers_own_visible_devices():
-    assert vllm_pool.visible_devices([[0], [1]], None) == ["0", "1"]
-    assert vllm_pool.visible_devices([[1], [3, 0]], "4,5, 6,7") == ["5", "7,4"]
-    assert vllm_pool.visible_devices([["GPU-8e1f"]], "4,5") == ["GPU-8e1f"]  # a UUID is passed as it is
+    assert vllm_pool.visible_devices([[0], [1]], None, "VLLMRolloutPool") == ["0", "1"]
+    assert vllm_pool.visible_devices([[1], [3, 0]], "4,5, 6,7", "VLLMRolloutPool") == ["5", "7,4"]
+    assert vllm_pool.visible_devices([["GPU-8e1f"]], "4,5", "VLLMRolloutPool") == ["GPU-8e1f"]  # a UUID is passed as it is
     with pytest.raises(ValueError, match=r"GPU 2 does not exist in this process, which sees CUDA_VISIBLE_DEVICES='4,5' \(2 GPU\(s\)"):
-        vllm_pool.visible_devices([[2]], "4,5")
+        vllm_pool.visible_devices([[2]], "4,5", "VLLMRolloutPool")
 
 
 def test_a_cpu_build_of_vllm_is_recognised_from_its_package_metadata(monkeypatch):

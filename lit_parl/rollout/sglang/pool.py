@@ -20,6 +20,7 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 from lit_parl.rollout.base import PoolSpec, RolloutPool, WeightBucket
+from lit_parl.rollout.gpu_placement import split_gpu_ids, visible_devices
 from lit_parl.rollout.sglang.client import HTTPClient, RouteNotFound, post_with_retries
 from lit_parl.rollout.sglang.messages import Ends, abort_reason, parse_group, sample_payload
 from lit_parl.rollout.sglang.servers import SERVER_DTYPES, ServerFleet, check_server_env, router_command, server_command, stop_launched
@@ -47,7 +48,10 @@ class SGLangRolloutPool(RolloutPool):
             ``bf16-mixed``. SGLang's own default, ``auto``, serves a float32 checkpoint (the trainer saves
             one) in float16. ``None``: no flag.
         server_args: more ``sglang.launch_server`` arguments.
-        gpu_ids: the GPUs to hand out, ``tp_size`` per server in order; ``None``: SGLang's default placement.
+        gpu_ids: each launched server's GPUs, set as its ``CUDA_VISIBLE_DEVICES``: a list per server or a flat
+            list handed out ``tp_size`` at a time, exactly ``num_servers * tp_size`` ids, an integer being a GPU
+            as the trainer numbers them (``lit_parl.rollout.gpu_placement``, as the vLLM pool reads them);
+            ``None``: SGLang's default placement. A ``tensor`` sync needs the trainer's GPU visible to the server.
         router: launch ``sglang_router`` in front of the servers; generation goes through it, weight
             updates still go to every server, so each one's version is confirmed.
         router_port, router_args: the router's port and more of its arguments.
@@ -107,11 +111,6 @@ class SGLangRolloutPool(RolloutPool):
             raise ValueError("SGLangRolloutPool(urls=[]): give at least one server URL, or None to launch servers")
         if urls is None and num_servers < 1:
             raise ValueError(f"SGLangRolloutPool(num_servers={num_servers}): at least one server is needed")
-        if gpu_ids is not None and len(gpu_ids) < num_servers * tp_size:
-            raise ValueError(
-                f"SGLangRolloutPool(gpu_ids={list(gpu_ids)}): gpu_ids has {len(gpu_ids)} GPUs; "
-                f"{num_servers} servers x tp_size {tp_size} need {num_servers * tp_size}"
-            )
         if dtype is not None and dtype not in SERVER_DTYPES:
             raise ValueError(f"SGLangRolloutPool(dtype={dtype!r}): SGLang serves one of {SERVER_DTYPES}")
         if max_retries < 0:
@@ -125,7 +124,8 @@ class SGLangRolloutPool(RolloutPool):
         self.mem_fraction_static = mem_fraction_static
         self.dtype = dtype
         self.server_args = list(server_args)
-        self.gpu_ids = list(gpu_ids) if gpu_ids is not None else None
+        # each launched server's GPUs (as lit_parl.rollout.gpu_placement reads gpu_ids); attached servers have their own
+        self.gpu_ids = split_gpu_ids(gpu_ids, num_servers, tp_size, "SGLangRolloutPool", ("num_servers", "tp_size")) if urls is None else None
         self.router = router
         self.router_port = router_port
         self.router_args = list(router_args)
@@ -173,6 +173,7 @@ class SGLangRolloutPool(RolloutPool):
         )
         if self.urls is None:
             model_path = str(self.model_path or spec.model_dir)
+            visible = visible_devices(self.gpu_ids, os.environ.get("CUDA_VISIBLE_DEVICES"), "SGLangRolloutPool") if self.gpu_ids else None
             for index in range(self.num_servers):
                 port = self.port + index
                 command = server_command(
@@ -181,7 +182,7 @@ class SGLangRolloutPool(RolloutPool):
                 )
                 env = dict(os.environ)
                 if self.gpu_ids is not None:
-                    env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, self.gpu_ids[index * self.tp_size : (index + 1) * self.tp_size]))
+                    env["CUDA_VISIBLE_DEVICES"] = visible[index]
                 fleet.launch_server(command, env, f"http://{self.host}:{port}", f"server_{index}.log")
         else:
             fleet.attach(self.urls)
