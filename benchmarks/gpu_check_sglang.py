@@ -10,8 +10,9 @@ tokens' log-probs now match the new weights (computed by the trainer side) and n
 stand-in (tests/sglang_standin.py) to check this script on a CPU machine.
 
 On one GPU the server shares it with the trainer, and ``distributed`` is skipped (logged as such): NCCL
-refuses two ranks of one group on one device. With two or more GPUs the server runs on GPU 1, so the
-``tensor`` method also crosses devices (CUDA IPC with devices named by UUID) and ``distributed`` runs.
+refuses two ranks of one group on one device. With two or more GPUs the server runs on GPU 1
+(``--base-gpu-id 1``, every GPU visible to it: a CUDA IPC handle opens only on a device the server sees),
+so the ``tensor`` method crosses devices (devices named by UUID) and ``distributed`` runs.
 
     python benchmarks/gpu_check_sglang.py --out /tmp/gpu_check
 """
@@ -51,6 +52,42 @@ def trainer_logprobs(model, prompt, completion, temperature) -> torch.Tensor:
     return logits.log_softmax(-1).gather(-1, torch.tensor(completion, device=device)[:, None])[:, 0].cpu()
 
 
+def sync_and_generate(pool, method, version, model, previous, tokenizer, task, sampling, tolerance) -> dict:
+    """Sync ``model`` as ``version`` by ``method``, generate 16 groups of 8; the record of what was served."""
+    pool.sync_method = method
+    t0 = time.monotonic()
+    named = list(model.named_parameters())
+    pool.sync_weights([named[i : i + 8] for i in range(0, len(named), 8)], version)  # buckets of 8 tensors
+    sync_s = time.monotonic() - t0
+    requests = []
+    for prompt_id in range(16):
+        text, _ = task.make(prompt_id)
+        requests.append(GroupRequest(
+            prompt_id=prompt_id, prompt_tokens=tuple(tokenizer(text, add_special_tokens=False).input_ids), version=version,
+            seeds=tuple(sample_seed(0, version, prompt_id, k) for k in range(8)),
+        ))
+    t0 = time.monotonic()
+    groups = list(pool.generate(requests, sampling))
+    generate_s = time.monotonic() - t0
+    by_id = {r.prompt_id: r for r in requests}
+    new_diff, old_diff = 0.0, 0.0
+    for group in groups:
+        for completion, logprobs in zip(group.completions, group.logprobs):
+            served = torch.tensor(logprobs)
+            prompt = by_id[group.prompt_id].prompt_tokens
+            new_diff = max(new_diff, float((served - trainer_logprobs(model, prompt, completion, sampling.temperature)).abs().max()))
+            if previous is not None:
+                old_diff = max(old_diff, float((served - trainer_logprobs(previous, prompt, completion, sampling.temperature)).abs().max()))
+    versions = sorted({g.version for g in groups})
+    ok = versions == [version] and len(groups) == 16 and new_diff < tolerance and (previous is None or old_diff > tolerance)
+    return {
+        "check": f"sglang_sync_{method}", "status": "ok" if ok else "FAILED", "version": version, "group_versions": versions,
+        "groups": len(groups), "max_abs_logprob_diff_new_weights": round(new_diff, 5),
+        "max_abs_logprob_diff_old_weights": round(old_diff, 5) if previous is not None else None,
+        "sync_s": round(sync_s, 3), "generate_s": round(generate_s, 3), "completions_per_s": round(16 * 8 / generate_s, 1),
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", type=Path, default=Path("gpu_check_out"))
@@ -70,13 +107,15 @@ def main() -> None:
     # triton attention takes the tiny model's head size; no CUDA graphs: a faster start for a short check
     server_args = ["--attention-backend", "triton", "--disable-cuda-graph"] if args.launch_command is None else []
     gpus = torch.cuda.device_count() if device.type == "cuda" else 0
+    if gpus > 1:
+        server_args += ["--base-gpu-id", "1"]
     methods = ["disk", "tensor", "distributed"]
     if gpus == 1:  # NCCL refuses two ranks of one group on one device: the trainer and the server share it here
         methods.remove("distributed")
         log(args.out, {"check": "sglang_sync_distributed", "status": "skipped", "why": "one GPU: the trainer and the server would be two NCCL ranks on one device"})
     pool = SGLangRolloutPool(
         port=free_port(), launch_command=args.launch_command, server_args=server_args, mem_fraction_static=0.3 if gpus == 1 else 0.6,
-        gpu_ids=[1] if gpus > 1 else None, dtype=args.dtype,
+        dtype=args.dtype,
         dist_master_port=free_port(), dist_backend="nccl" if device.type == "cuda" else "gloo", start_timeout_s=300,
     )
     model_dir = tempfile.TemporaryDirectory(prefix="gpu_check_sglang_")  # the launched server builds its model here
@@ -89,40 +128,11 @@ def main() -> None:
         previous = None
         for version, method in enumerate(methods):
             model = models[version + 1]
-            pool.sync_method = method
-            t0 = time.monotonic()
-            named = list(model.named_parameters())
-            pool.sync_weights([named[i : i + 8] for i in range(0, len(named), 8)], version)  # buckets of 8 tensors
-            sync_s = time.monotonic() - t0
-            requests = []
-            for prompt_id in range(16):
-                text, _ = task.make(prompt_id)
-                requests.append(GroupRequest(
-                    prompt_id=prompt_id, prompt_tokens=tuple(tokenizer(text, add_special_tokens=False).input_ids), version=version,
-                    seeds=tuple(sample_seed(0, version, prompt_id, k) for k in range(8)),
-                ))
-            t0 = time.monotonic()
-            groups = list(pool.generate(requests, sampling))
-            generate_s = time.monotonic() - t0
-            by_id = {r.prompt_id: r for r in requests}
-            new_diff, old_diff = 0.0, 0.0
-            for group in groups:
-                for completion, logprobs in zip(group.completions, group.logprobs):
-                    served = torch.tensor(logprobs)
-                    new_diff = max(new_diff, float((served - trainer_logprobs(model, by_id[group.prompt_id].prompt_tokens, completion, 0.8)).abs().max()))
-                    if previous is not None:
-                        old = trainer_logprobs(previous, by_id[group.prompt_id].prompt_tokens, completion, 0.8)
-                        old_diff = max(old_diff, float((served - old).abs().max()))
-            versions = sorted({g.version for g in groups})
-            ok = versions == [version] and len(groups) == 16 and new_diff < args.tolerance and (previous is None or old_diff > args.tolerance)
-            log(args.out, {
-                "check": f"sglang_sync_{method}", "status": "ok" if ok else "FAILED", "version": version, "group_versions": versions,
-                "groups": len(groups), "max_abs_logprob_diff_new_weights": round(new_diff, 5),
-                "max_abs_logprob_diff_old_weights": round(old_diff, 5) if previous is not None else None,
-                "sync_s": round(sync_s, 3), "generate_s": round(generate_s, 3),
-                "completions_per_s": round(16 * 8 / generate_s, 1),
-            })
-            previous = model
+            try:
+                log(args.out, sync_and_generate(pool, method, version, model, previous, tokenizer, task, sampling, args.tolerance))
+                previous = model
+            except Exception as error:  # noqa: BLE001 - the other methods still run
+                log(args.out, {"check": f"sglang_sync_{method}", "status": "FAILED", "error": repr(error), "traceback": traceback.format_exc()[-3000:]})
     except Exception as error:  # noqa: BLE001 - the check reports, the next section still runs
         log(args.out, {"check": "sglang", "status": "FAILED", "error": repr(error), "traceback": traceback.format_exc()[-3000:]})
     finally:

@@ -158,8 +158,10 @@ def test_a_launched_server_that_exits_reports_its_log(spec):
 def test_bad_configuration_is_refused_before_anything_starts():
     with pytest.raises(ValueError, match="sync_method='nccl'"):
         SGLangRolloutPool(sync_method="nccl")
-    with pytest.raises(ValueError, match="gpu_ids has 2 GPUs; 2 servers x tp_size 2 need 4"):
+    with pytest.raises(ValueError, match=r"SGLangRolloutPool\(gpu_ids=\[0, 1\]\): 2 GPU id\(s\) for 2 worker\(s\); give num_servers \* tp_size = 2 \* 2 = 4"):
         SGLangRolloutPool(num_servers=2, tp_size=2, gpu_ids=[0, 1])
+    with pytest.raises(ValueError, match=r"GPU 1 is given to workers 0 and 1"):
+        SGLangRolloutPool(num_servers=2, gpu_ids=[1, 1])
 
 
 # ------------------------------------------------------------------------------------------------------
@@ -773,7 +775,7 @@ def test_a_refused_distributed_update_stops_the_sync_at_once_instead_of_waiting_
         thread.join(60)
         assert not thread.is_alive(), "the sync still waits on a broadcast the server refused"
         assert time.monotonic() - started < 30
-        assert len(outcome) == 1 and "refused, the broadcast abandoned" in str(outcome[0]) and "no weight update group" in str(outcome[0])
+        assert len(outcome) == 1 and "no weight update group" in str(outcome[0]) and "broadcast was abandoned" in str(outcome[0])
         assert pool.version is None
         with pytest.raises(RuntimeError, match="left the weight-update group unusable"):  # not a second broadcast into it
             pool.sync_weights(buckets(model), version=0)
@@ -804,3 +806,58 @@ def test_closing_the_pool_destroys_the_servers_side_of_the_weight_update_group(s
     finally:
         process.kill()
         process.wait()
+
+
+@pytest.mark.parametrize("blocks_for", [None, 0.3])
+def test_a_refusal_is_seen_while_the_broadcast_blocks_the_host(monkeypatch, blocks_for):
+    """NCCL builds its communicator inside the first broadcast and blocks the host there until every rank has
+    joined: the refusal must still be seen. A broadcast that never ends is abandoned (the group is unusable);
+    one that still ends within the grace period (a server that failed after receiving) leaves it usable."""
+    import threading
+    import types
+
+    from lit_parl.rollout import weight_transfer
+
+    release = threading.Event()
+
+    def blocking_broadcast(tensor, src, group, async_op):
+        release.wait(blocks_for)  # None: until the test ends
+        return types.SimpleNamespace(wait=lambda: None)
+
+    monkeypatch.setattr(torch.distributed, "broadcast", blocking_broadcast)
+    started = time.monotonic()
+    refusal = RuntimeError("the distributed weight update was refused: HTTP 400")
+    refused = lambda: refusal if time.monotonic() - started > 0.1 else None  # noqa: E731
+    expected = weight_transfer.BroadcastAbandoned if blocks_for is None else RuntimeError
+    try:
+        with pytest.raises(expected, match="refused: HTTP 400") as raised:
+            weight_transfer.broadcast_from_trainer(None, [torch.zeros(2)], refused, grace_s=1.0)
+        assert (type(raised.value) is weight_transfer.BroadcastAbandoned) == (blocks_for is None)
+        assert time.monotonic() - started < 3
+    finally:
+        release.set()
+
+
+def test_launched_servers_get_their_gpus_as_the_trainer_numbers_them(spec, tmp_path, monkeypatch):
+    """``gpu_ids`` are read as the vLLM pool reads them (lit_parl.rollout.gpu_placement): an integer is a GPU as the
+    trainer's process numbers them, so under its own CUDA_VISIBLE_DEVICES, that list's entry."""
+    launcher = tmp_path / "write_down.py"
+    launcher.write_text(
+        "import glob, json, os, sys, time\n"
+        "port = sys.argv[sys.argv.index('--port') + 1]\n"
+        "open(os.path.join(sys.argv[1], f'server-{port}.json'), 'w').write(json.dumps(os.environ.get('CUDA_VISIBLE_DEVICES')))\n"
+        "deadline = time.monotonic() + 30\n"  # both written before either exits (the pool stops the other then)
+        "while len(glob.glob(os.path.join(sys.argv[1], 'server-*.json'))) < 2 and time.monotonic() < deadline:\n"
+        "    time.sleep(0.05)\n"
+        "sys.exit(3)\n"
+    )
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3,5,7")
+    port = free_port(2)
+    pool = SGLangRolloutPool(launch_command=[sys.executable, str(launcher), str(tmp_path)], num_servers=2, gpu_ids=[[2], [0]],
+                             port=port, start_timeout_s=60)
+    try:
+        with pytest.raises(RuntimeError, match="exited with code 3 while starting"):
+            pool.start(spec)
+    finally:
+        pool.close()
+    assert [json.loads((tmp_path / f"server-{port + i}.json").read_text()) for i in range(2)] == ["7", "3"]

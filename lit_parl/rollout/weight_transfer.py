@@ -19,7 +19,7 @@ from __future__ import annotations
 import base64
 import inspect
 import io
-import time
+import threading
 from collections.abc import Callable, Iterable
 from datetime import timedelta
 from pathlib import Path
@@ -52,7 +52,9 @@ def serialize_named_tensors(named_tensors: list[tuple[str, torch.Tensor]]) -> st
 def send_cuda_devices_by_uuid() -> None:
     """Apply SGLang's ``monkey_patch_torch_reductions`` in this process: CUDA tensors pickled from now on name
     their device by UUID, which the server's own patch maps to its local device index (the indices differ
-    whenever the two processes see different ``CUDA_VISIBLE_DEVICES``). Idempotent."""
+    whenever the two processes see different ``CUDA_VISIBLE_DEVICES``). Idempotent. Process-wide, as in
+    SGLang's own processes: torch's reduction is replaced for good, and SGLang's version pickles CUDA tensors
+    only (it is applied when a bucket holds CUDA tensors, which a trainer on a GPU sends all of)."""
     try:
         from sglang.srt.utils.patch_torch import monkey_patch_torch_reductions
     except ImportError as error:
@@ -88,23 +90,49 @@ def init_weight_update_group(
     return group
 
 
+class BroadcastAbandoned(RuntimeError):
+    """A server refused its update and the broadcast cannot finish: the group holds a pending operation."""
+
+
 def broadcast_from_trainer(
-    group: torch.distributed.ProcessGroup, tensors: Iterable[torch.Tensor], refused: Callable[[], BaseException | None] = lambda: None
+    group: torch.distributed.ProcessGroup,
+    tensors: Iterable[torch.Tensor],
+    refused: Callable[[], BaseException | None] = lambda: None,
+    grace_s: float = 1.0,
 ) -> None:
     """Send each tensor from rank 0, in order (the servers receive in the order of the request's names).
 
-    A server that refuses its update request never joins the broadcast, which would then wait for it until
-    the group's timeout (10 minutes). So each broadcast is started asynchronously and, while it is
-    pending, ``refused()`` is polled: an error it returns (the server's answer) is raised at once.
+    The broadcasts are queued together on a thread of their own while this one watches ``refused()``: a
+    server that refuses its update request never joins them, and they would wait for it until the group's
+    timeout (NCCL even blocks the host in the first one, where it builds its communicator with every rank).
+    An error ``refused()`` returns is raised at once, unless the broadcasts still end within ``grace_s``
+    (a server that failed after receiving); if they do not, ``BroadcastAbandoned`` says the group is unusable.
     """
-    for tensor in tensors:
-        work = torch.distributed.broadcast(tensor.contiguous(), src=0, group=group, async_op=True)
-        while not work.is_completed():
-            error = refused()
-            if error is not None:
-                raise error
-            time.sleep(0.001)
-        work.wait()
+    tensors = [t.contiguous() for t in tensors]
+    failed: list[BaseException] = []
+
+    def send() -> None:
+        try:
+            if tensors and tensors[0].is_cuda:
+                torch.cuda.set_device(tensors[0].device)  # a new thread starts on device 0
+            works = [torch.distributed.broadcast(t, src=0, group=group, async_op=True) for t in tensors]
+            for work in works:
+                work.wait()
+        except BaseException as error:  # noqa: BLE001 - raised on the caller's thread
+            failed.append(error)
+
+    sender = threading.Thread(target=send, name="lit_parl-weight-broadcast", daemon=True)
+    sender.start()
+    while sender.is_alive():
+        error = refused()
+        if error is not None:
+            sender.join(grace_s)
+            if sender.is_alive():
+                raise BroadcastAbandoned(f"{error}; the broadcast was abandoned, pending in the weight-update group") from error
+            raise error
+        sender.join(0.005)
+    if failed:
+        raise failed[0]
 
 
 def save_shard(named_tensors: Iterable[tuple[str, torch.Tensor]], out_dir: str | Path, file_name: str) -> dict[str, str]:

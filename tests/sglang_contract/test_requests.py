@@ -175,14 +175,23 @@ def test_syncs_follow_sglangs_session_protocol(run):
 def test_the_trainer_applies_sglangs_own_cuda_ipc_patch_before_pickling_cuda_weights():
     """``weight_transfer.send_cuda_devices_by_uuid`` (called before CUDA tensors are pickled) installs SGLang's
     ``monkey_patch_torch_reductions`` in the trainer's process: torch's tensor reduction is then SGLang's, which
-    writes the device's UUID where torch writes its index (``srt/utils/patch_torch.py``). A real CUDA handle
+    writes the device's UUID where torch writes its index (``srt/utils/patch_torch.py``). In a process of its
+    own: the patch is process-wide, and SGLang's reduction no longer pickles CPU tensors. A real CUDA handle
     crossing processes is the GPU check's (benchmarks/gpu_check_sglang.py)."""
-    from torch.multiprocessing import reductions
+    import subprocess
+    import sys
 
-    from sglang.srt.utils import patch_torch
+    from pathlib import Path
 
-    from lit_parl.rollout.weight_transfer import send_cuda_devices_by_uuid
-
-    send_cuda_devices_by_uuid()
-    assert reductions.reduce_tensor is patch_torch._reduce_tensor_modified
-    assert reductions.rebuild_cuda_tensor is patch_torch._rebuild_cuda_tensor_modified
+    check = (
+        "from sglang_contract.sglang_side import import_sglang; import_sglang()\n"
+        "from torch.multiprocessing import reductions\n"
+        "from sglang.srt.utils import patch_torch\n"
+        "from lit_parl.rollout.weight_transfer import send_cuda_devices_by_uuid\n"
+        "assert reductions.reduce_tensor is not patch_torch._reduce_tensor_modified\n"
+        "send_cuda_devices_by_uuid()\n"
+        "assert reductions.reduce_tensor is patch_torch._reduce_tensor_modified\n"
+        "assert reductions.rebuild_cuda_tensor is patch_torch._rebuild_cuda_tensor_modified\n"
+    )
+    done = subprocess.run([sys.executable, "-c", check], cwd=Path(__file__).parents[1], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]

@@ -35,7 +35,7 @@ import torch
 from lit_parl.rollout.base import WeightBucket
 from lit_parl.rollout.sglang.client import HTTPClient, RouteNotFound
 from lit_parl.rollout.sglang.servers import Server
-from lit_parl.rollout.weight_transfer import broadcast_from_trainer, init_weight_update_group, save_shard, serialize_named_tensors
+from lit_parl.rollout.weight_transfer import BroadcastAbandoned, broadcast_from_trainer, init_weight_update_group, save_shard, serialize_named_tensors
 
 SYNC_METHODS = ("tensor", "distributed", "disk")
 
@@ -120,10 +120,13 @@ class WeightUpdater:
         # CPU tensors travel as shared-memory files that close with their last reader: send fresh copies,
         # alive until every server has answered (CUDA tensors travel as IPC handles, uncopied)
         shared = [(name, t.detach() if t.is_cuda else t.detach().clone()) for name, t in bucket]
-        # one payload per tensor-parallel rank, each pickled on its own: every rank unpickles only its own
-        # (SGLang's TpModelWorker.deserialize_own_rank), and each CUDA IPC handle is counted per unpickling
-        payload = {"serialized_named_tensors": [serialize_named_tensors(shared) for _ in range(self.tp_size)], **fields}
-        self.client.run(self._each(servers, lambda s: self._update(s, "/update_weights_from_tensor", payload)))
+
+        def payload() -> dict:
+            # one payload per tensor-parallel rank of each server, each pickled on its own: every rank unpickles
+            # only its own (SGLang's TpModelWorker.deserialize_own_rank), and a CUDA IPC handle is counted per unpickling
+            return {"serialized_named_tensors": [serialize_named_tensors(shared) for _ in range(self.tp_size)], **fields}
+
+        self.client.run(self._each(servers, lambda s: self._update(s, "/update_weights_from_tensor", payload())))
         del shared
 
     def _broadcast(self, servers: list[Server], bucket: WeightBucket, fields: dict) -> None:
@@ -139,13 +142,14 @@ class WeightUpdater:
 
         def refused() -> BaseException | None:  # a server that fails its request will not join the broadcast
             error = updates.exception() if updates.done() else None
-            if error is None:
-                return None
-            self.abandoned = True  # a broadcast is left pending in the group: it cannot serve another sync
-            return RuntimeError(f"the distributed weight update was refused, the broadcast abandoned: {error}")
+            return None if error is None else RuntimeError(f"the distributed weight update was refused: {error}")
 
         try:
             broadcast_from_trainer(self.group, [t.detach() for _, t in bucket], refused)
+        except BroadcastAbandoned:
+            self.abandoned = True  # a broadcast is left pending in the group: it cannot serve another sync
+            updates.cancel()
+            raise
         except BaseException:
             updates.cancel()
             raise
@@ -259,7 +263,12 @@ class WeightUpdater:
 
             self.client.run(destroy_each())
             try:
-                torch.distributed.destroy_process_group(self.group)
+                if self.abandoned:  # destroying waits for the pending broadcast (NCCL: until its timeout)
+                    from torch.distributed.distributed_c10d import _abort_process_group
+
+                    _abort_process_group(self.group)
+                else:
+                    torch.distributed.destroy_process_group(self.group)
             except Exception:  # noqa: BLE001 - the servers may be gone already
                 pass
             self.group = None
