@@ -115,6 +115,10 @@ def test_weight_updates_decode_into_sglangs_structs_with_the_intended_fields(run
             assert fields["weight_version"] == str(version) and isinstance(fields["weight_version"], str)
             assert fields["flush_cache"] is (method == "disk")  # tensor and distributed: /flush_cache after the last bucket
             assert fields["abort_all_requests"] is False
+    # every sync pauses in SGLang's default mode, abort: a sample still running is ended and retried elsewhere
+    # (none runs between iterations; the stand-in does not abort)
+    pauses = [s.verdict.fields for s in run.where("POST", "/pause_generation")]
+    assert pauses and all(p["mode"] == "abort" for p in pauses)
     disk = run.where("POST", "/update_weights_from_disk")[0].verdict.fields
     assert disk["model_path"].endswith("version_2") and disk["load_format"] is None
 
