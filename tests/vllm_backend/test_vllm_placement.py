@@ -23,7 +23,6 @@ import functools
 import importlib.util
 import os
 import signal
-import time
 
 import pytest
 import torch

@@ -127,7 +127,6 @@ class WeightUpdater:
             return {"serialized_named_tensors": [serialize_named_tensors(shared) for _ in range(self.tp_size)], **fields}
 
         self.client.run(self._each(servers, lambda s: self._update(s, "/update_weights_from_tensor", payload())))
-        del shared
 
     def _broadcast(self, servers: list[Server], bucket: WeightBucket, fields: dict) -> None:
         payload = {
