@@ -7,8 +7,13 @@ An iteration of periodic asynchrony cannot be shorter than
 where ``sync`` is its weight sync, ``fill`` the pool's first chunk (the trainer has nothing to train on
 before it), ``train_busy`` the trainer's steps, ``gen_busy`` the pool's generation and ``last_step`` the
 training step that only the last chunk can feed. ``wall`` runs from the sync's start to the last step's
-end; ``between`` from that end to the next iteration's sync (Lightning's epoch end and start, logging,
-callbacks). Both come from the run's ``timeline.jsonl`` (``PipelineTimeline``).
+end; ``between`` from that end to the next iteration's sync. Since ``WeightSync`` pushes at the first
+epoch-end hook, Lightning's epoch end and start (logging, metrics, callbacks) now fall inside the next
+iteration's wall, where they overlap its fill. Where the trainer's side of the wall goes beyond the bound:
+``lag``, from the first chunk's end to the first step's start (the epoch end and start, the first
+micro-batch's receive, scoring and collation), and ``gaps``, the time between the iteration's steps (the
+next micro-batch's receive, scoring and collation on the trainer's thread, or waiting for the pool, and
+Lightning's per-step work). All come from the run's ``timeline.jsonl`` (``PipelineTimeline``).
 
 It runs the default job (``lit-parl``, 32 prompts x 8) and the same with 128 prompts, one process each,
 and prints, per run, the medians over the iterations after ``--warmup``: wall, bound, wall / bound,
@@ -48,6 +53,8 @@ def per_iteration(timeline: list[dict]) -> list[dict]:
         fill = generate[0][1] - begin - _length(it["sync"])  # from the request (after the sync) to the first chunk
         sync, train_busy, gen_busy = _length(it["sync"]), _length(it["train"]), it["gen_busy_s"]
         last_step = it["train"][-1][1] - it["train"][-1][0]
+        lag = it["train"][0][0] - generate[0][1]
+        gaps = sum(later[0] - earlier[1] for earlier, later in zip(it["train"], it["train"][1:]))
         bound = sync + max(fill + train_busy, gen_busy + last_step)
         following = timeline[i + 1] if i + 1 < len(timeline) else None
         next_begin = None
@@ -56,7 +63,7 @@ def per_iteration(timeline: list[dict]) -> list[dict]:
         rows.append({
             "iteration": it["iteration"], "wall_ms": 1e3 * (last_train_end - begin), "bound_ms": 1e3 * bound,
             "sync_ms": 1e3 * sync, "fill_ms": 1e3 * fill, "train_busy_ms": 1e3 * train_busy, "gen_busy_ms": 1e3 * gen_busy,
-            "last_step_ms": 1e3 * last_step, "between_ms": None if next_begin is None else 1e3 * (next_begin - last_train_end),
+            "last_step_ms": 1e3 * last_step, "lag_ms": 1e3 * lag, "gaps_ms": 1e3 * gaps, "between_ms": None if next_begin is None else 1e3 * (next_begin - last_train_end),
         })
     return rows
 
@@ -64,7 +71,7 @@ def per_iteration(timeline: list[dict]) -> list[dict]:
 def summary(rows: list[dict], warmup: int) -> dict:
     kept = [r for r in rows if r["iteration"] >= warmup] or rows
     median = lambda key: statistics.median(r[key] for r in kept if r[key] is not None)  # noqa: E731
-    out = {key: median(key) for key in ("wall_ms", "bound_ms", "between_ms", "sync_ms", "fill_ms", "train_busy_ms", "gen_busy_ms", "last_step_ms")}
+    out = {key: median(key) for key in ("wall_ms", "bound_ms", "between_ms", "sync_ms", "fill_ms", "train_busy_ms", "gen_busy_ms", "last_step_ms", "lag_ms", "gaps_ms")}
     out["wall_over_bound"] = statistics.median(r["wall_ms"] / r["bound_ms"] for r in kept)
     out["iterations"] = len(kept)
     return out
@@ -81,7 +88,8 @@ def run(prompts: int, iterations: int, seed: int, extra: list[str]) -> list[dict
 def show(label: str, s: dict) -> None:
     print(f"{label}: wall {s['wall_ms']:.1f} ms, bound {s['bound_ms']:.1f} ms, wall/bound {s['wall_over_bound']:.3f}, "
           f"between {s['between_ms']:.1f} ms | sync {s['sync_ms']:.1f}, fill {s['fill_ms']:.1f}, train {s['train_busy_ms']:.1f}, "
-          f"generate {s['gen_busy_ms']:.1f}, last step {s['last_step_ms']:.1f} (medians of {s['iterations']} iterations)", flush=True)
+          f"generate {s['gen_busy_ms']:.1f}, last step {s['last_step_ms']:.1f} | trainer lag {s['lag_ms']:.1f}, gaps {s['gaps_ms']:.1f} "
+          f"(medians of {s['iterations']} iterations)", flush=True)
 
 
 def main() -> None:

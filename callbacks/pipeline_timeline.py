@@ -46,7 +46,9 @@ class PipelineTimeline(Callback):
     (:class:`~lit_parl.callbacks.IterationHistory`: ``requested_at``, ``gen_intervals``), the training side
     from the module's ``train_intervals`` (:class:`~lit_parl.callbacks.TrainIntervals`), and the sync from
     the one other callback with ``sync_intervals`` (:class:`~lit_parl.callbacks.SyncTimes`, e.g.
-    ``WeightSync``); with no such callback there is no sync row. A checkpoint keeps the last ``window``
+    ``WeightSync``); with no such callback there is no sync row. A sync that starts after the epoch's last
+    training step belongs to the next iteration (``WeightSync(push_early=True)`` pushes it at this epoch's end)
+    and is drawn there. A checkpoint keeps the last ``window``
     iterations and the count: a run resumed into the same ``dirpath`` keeps the file's lines up to the
     checkpoint and appends; resumed elsewhere (the CLI gives each run its own directory), its file starts
     at the restored count and the earlier lines stay in the first run's file.
@@ -144,10 +146,12 @@ class PipelineTimeline(Callback):
         end = time.monotonic()
         train = list(pl_module.train_intervals)
         sync: list[tuple[float, float]] = []
-        if self._sync_source is not None:  # the syncs since the last epoch end (the source may keep only its last few)
+        if self._sync_source is not None:  # the syncs since the last one drawn (the source may keep only its last few)
             for interval in reversed(self._sync_source.sync_intervals):
                 if interval == self._last_sync:
                     break
+                if train and interval[0] >= train[-1][1]:
+                    continue  # the next iteration's, pushed at this one's end (WeightSync(push_early=True))
                 sync.insert(0, tuple(interval))
             self._last_sync = sync[-1] if sync else self._last_sync
         gen = list(record.gen_intervals)

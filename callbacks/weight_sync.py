@@ -1,4 +1,4 @@
-"""WeightSync: push the policy's weights to a receiver at the start of every epoch, then open the gate."""
+"""WeightSync: push the policy's weights to a receiver before every epoch (at the end of the one before), then open the gate."""
 
 from __future__ import annotations
 
@@ -17,6 +17,18 @@ SYNCS_KEPT = 64  # sync intervals kept for readers such as PipelineTimeline (one
 
 class WeightSync(Callback):
     r"""Push the policy to a weight receiver before every epoch, as version ``trainer.current_epoch``.
+
+    With ``push_early`` (the default) the weights of epoch k + 1 go out at epoch k's end, as the first
+    epoch-end hook of the callbacks listed after it, instead of at epoch k + 1's start: the pool then
+    generates the next iteration while Lightning runs the rest of epoch k's end (the module's logging and
+    metrics, checkpoints, later callbacks) and starts epoch k + 1. Lightning has validated and taken the
+    epoch's last optimizer step by then. List it first among the callbacks so the most work overlaps. The
+    policy must not change after the epoch's training (an epoch-end hook that moves the weights, such as an
+    EMA swap, needs ``push_early=False``; lit_parl's on-policy check stops a run whose rollouts do not match
+    θ_k). When no next epoch is sure to follow (``max_epochs``, ``max_steps``, ``should_stop``) the push waits
+    for the epoch's start; a callback that stops the fit later in the same epoch end (early stopping) leaves
+    a generated iteration that is never trained, which the datamodule discards (its prompts are drawn
+    again by a resumed fit).
 
     A fit resumed from a checkpoint (the datamodule says ``restored``) pushes at ``on_train_start``, since
     Lightning skips ``on_train_epoch_start`` when it restarts inside an epoch: the policy, or, when the
@@ -48,6 +60,7 @@ class WeightSync(Callback):
         pool: the :class:`~lit_parl.callbacks.WeightReceiver` (anything with ``sync_weights(buckets,
             version)``). ``None``: the datamodule's ``pool`` (``lit_parl.RolloutDataModule`` has one).
         bucket_bytes: the most bytes of tensors in one bucket; a tensor larger than this travels alone.
+        push_early: push epoch k + 1's weights at epoch k's end (see above); ``False``: at each epoch's start.
 
     Raises:
         TypeError: at fit start, when there is no receiver (no ``pool`` given and none on the datamodule), or
@@ -76,7 +89,7 @@ class WeightSync(Callback):
         [(0, [['weight'], ['bias']]), (1, [['weight'], ['bias']])]
     """
 
-    def __init__(self, pool: WeightReceiver | None = None, bucket_bytes: int = 256 * 2**20) -> None:
+    def __init__(self, pool: WeightReceiver | None = None, bucket_bytes: int = 256 * 2**20, push_early: bool = True) -> None:
         if bucket_bytes <= 0:
             raise ValueError(f"WeightSync(bucket_bytes={bucket_bytes}): a bucket needs room for at least one byte")
         if pool is not None:  # given here: check it here, where the mistake is
@@ -84,6 +97,7 @@ class WeightSync(Callback):
                     fix="Pass an object with a `sync_weights(buckets, version)` method, such as a lit_parl.rollout pool.")
         self.pool = pool
         self.bucket_bytes = bucket_bytes
+        self.push_early = push_early
         # (start, end) monotonic, one per epoch (SyncTimes); the last few only, so a long run holds the same
         self.sync_intervals: deque[tuple[float, float]] = deque(maxlen=SYNCS_KEPT)
         self._receiver: WeightReceiver | None = None
@@ -158,6 +172,11 @@ class WeightSync(Callback):
                 self._push(self.policy_tensors(trainer, pl_module), trainer.current_epoch)
             self._pushed_for_epoch = trainer.current_epoch
 
+    def on_train_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if self.push_early and _another_epoch_follows(trainer):
+            self._push(self.policy_tensors(trainer, pl_module), trainer.current_epoch + 1)
+            self._pushed_for_epoch = trainer.current_epoch + 1
+
     def on_train_epoch_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         if self._pushed_for_epoch != trainer.current_epoch:  # not already pushed for this epoch by a resume
             self._push(self.policy_tensors(trainer, pl_module), trainer.current_epoch)
@@ -169,3 +188,13 @@ class WeightSync(Callback):
         if self._gate is not None:
             self._gate.open_iteration(version)
         self.sync_intervals.append((start, time.monotonic()))
+
+
+def _another_epoch_follows(trainer: Trainer) -> bool:
+    """Whether the fit surely runs another epoch after this one (the fit loop's own stopping rules)."""
+    if trainer.should_stop:
+        return False
+    max_epochs = trainer.max_epochs
+    if max_epochs is not None and max_epochs >= 0 and trainer.current_epoch + 1 >= max_epochs:
+        return False
+    return not (trainer.max_steps >= 0 and trainer.global_step >= trainer.max_steps)

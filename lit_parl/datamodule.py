@@ -20,9 +20,11 @@ In use: the README's "Components without the CLI" script (run as a script by ``t
 from __future__ import annotations
 
 import dataclasses
+import threading
 import time
 import warnings
 from collections import deque
+from typing import NamedTuple
 
 import torch
 from lightning.pytorch import LightningDataModule
@@ -36,7 +38,7 @@ from lit_parl.data.batcher import IterationBatcher
 from lit_parl.data.evaluation import EvalSettings, Evaluator
 from lit_parl.data.gate import OffPolicyError, VersionGate
 from lit_parl.data.model_dir import InitialModelDir
-from lit_parl.data.prefetch import prefetched
+from lit_parl.data.prefetch import HeadStart
 from lit_parl.data.ranks import RankShare
 from lit_parl.data.resume import ResumePoint
 from lit_parl.data.schedule import PromptSchedule
@@ -56,6 +58,14 @@ HISTORY_KEPT = 64  # iterations whose IterationStats stay in `history` (callback
 def _as(kind, value):
     """A settings object from itself, a dict of its fields (Hydra, JSON) or None (the defaults)."""
     return value if isinstance(value, kind) else kind(**(value or {}))
+
+
+class _Started(NamedTuple):
+    """An iteration started when its gate opened: its version, its stats so far, its micro-batches."""
+
+    version: int
+    stats: IterationStats
+    batches: HeadStart
 
 
 class _IterationStream(IterableDataset):
@@ -104,7 +114,8 @@ class RolloutDataModule(LightningDataModule):
         prefetch: receive and collate micro-batches in a thread; ``None``: on with an accelerator.
         trainer_threads: torch threads of the trainer's process; ``None``: the cores the pool leaves.
         score_workers: threads of their own that score groups (for slow rewards, e.g. verifiers); 0 scores
-            each group where the batcher runs: in the prefetch thread when it is on, else between steps.
+            each group where the batcher runs: in the prefetch thread when it is on, else between steps (the
+            first micro-batch's groups in the thread that starts the iteration).
         prompt_format: raw text or the chat template, and the prompt length policy (``PromptFormat`` or its fields).
         scoring: each reward call's timeout and error policy (``ScoringPolicy`` or its fields).
         evaluation: when and how much to evaluate on held-out prompts (``EvalSettings`` or its fields; they
@@ -187,6 +198,8 @@ class RolloutDataModule(LightningDataModule):
         self._check_resume = False  # the first iteration after a restore checks Lightning's position against it
         self.history: deque[IterationStats] = deque(maxlen=HISTORY_KEPT)  # the last few: a long run holds the same
         self._use_prefetch = bool(prefetch)
+        self._started: _Started | None = None  # the opened iteration, before its stream takes it
+        self._starting = threading.Lock()
         self._model_dir = InitialModelDir(initial_model, tokenizer)  # what the pool's engines start from
         pool.check_capacity(shape, self.sampling)
 
@@ -281,8 +294,12 @@ class RolloutDataModule(LightningDataModule):
 
     # -- the version gate ------------------------------------------------------------------------------
     def open_iteration(self, version: int) -> None:
-        """Called once the pool confirmed ``version``: lets the next iteration send its requests."""
-        self.gate.open(version, confirmed=self.pool.version)
+        """Called once the pool confirmed ``version``: the iteration of ``version`` starts now, in a thread, up
+        to its first micro-batch (its requests go out at once), whether or not its epoch has begun yet."""
+        with self._starting:  # a stream already waiting at the gate takes this start, not one of its own
+            self.gate.open(version, confirmed=self.pool.version)
+            self._discard_started()  # an earlier opening whose iteration never ran (none in a fit that runs on)
+            self._started = self._start_iteration(version)
 
     # -- one iteration ---------------------------------------------------------------------------------
     def batcher(self) -> IterationBatcher:
@@ -308,19 +325,33 @@ class RolloutDataModule(LightningDataModule):
         accelerator = not isinstance(self.trainer.accelerator, CPUAccelerator)
         return max(tolerance, BF16_LOGPROB_TOLERANCE) if low_precision or accelerator else tolerance
 
+    def _start_iteration(self, version: int) -> _Started:
+        """The iteration of ``version``, started in a thread: to its first micro-batch, or to its end with prefetch."""
+        if self.pool.version != version:
+            raise OffPolicyError(f"the gate opened version {version} but the pool holds version {self.pool.version}")
+        stats = IterationStats(version=version, requested_at=time.monotonic())
+        batches = self.batcher().micro_batches(version, stats)
+        return _Started(version, stats, HeadStart(batches, f"lit_parl-iteration-{version}", to_the_end=self._use_prefetch))
+
+    def _discard_started(self) -> None:
+        if self._started is not None:
+            self._started.batches.close()
+            self._started = None
+
     def _stream_iteration(self):
-        """Waits for the gate, then hands out the iteration's micro-batches.
+        """Waits for the gate, then hands out the iteration's micro-batches (started when the gate opened).
 
         Lightning knows the stream's length and never resumes it after the last micro-batch, so the
         iteration is booked just before that one leaves; by then the batcher is done with the pool.
         """
         version = self.gate.wait()
-        if self.pool.version != version:
-            raise OffPolicyError(f"the gate opened version {version} but the pool holds version {self.pool.version}")
-        stats = IterationStats(version=version, requested_at=time.monotonic())
-        batches = self.batcher().micro_batches(version, stats)
-        if self._use_prefetch:
-            batches = prefetched(batches, f"lit_parl-prefetch-{self.iterations_done}")
+        with self._starting:
+            started, self._started = self._started, None
+        if started is None or started.version != version:  # the gate was opened past open_iteration
+            if started is not None:
+                started.batches.close()
+            started = self._start_iteration(version)
+        stats, batches = started.stats, started.batches
         total, count = self.share.local.micro_batches, 0
         # resumed inside an iteration: the pool generates it again from θ_k with the same seeds (the same
         # samples), and the micro-batches trained before the checkpoint are left out
@@ -374,6 +405,11 @@ class RolloutDataModule(LightningDataModule):
         self.gate.close()
 
     def _release(self) -> None:
-        self.pool.close()
+        self.pool.close()  # first: a started iteration's thread waiting on the pool ends with it
+        if self._started is not None:  # opened at the end of an epoch after which the fit stopped: it never runs
+            thread = self._started.batches
+            self._discard_started()
+            thread.join(timeout=10.0)  # it ends at its next exchange with the closed pool
+            self.gate.withdraw()
         self.scorer.close()
         self._model_dir.remove()

@@ -292,7 +292,7 @@ class OpensWithoutSyncing(WeightSync):
     (``datamodule``: the gate is told the pool confirmed version 1)."""
 
     def __init__(self, bypass: str) -> None:
-        super().__init__()
+        super().__init__(push_early=False)  # iteration 1 opens at its epoch's start, where the bypass is
         self.bypass = bypass
 
     def on_train_epoch_start(self, trainer, pl_module):

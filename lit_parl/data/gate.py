@@ -62,6 +62,11 @@ class VersionGate:
         self.last_version = self._version
         self._event.clear()
 
+    def withdraw(self) -> None:
+        """An opened iteration will not run (the fit ended first): the gate closes without booking its version."""
+        self._version = None
+        self._event.clear()
+
     def state_dict(self) -> dict:
         return {"last_version": self.last_version}
 

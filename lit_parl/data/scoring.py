@@ -37,7 +37,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 from transformers import PreTrainedTokenizerBase
 
-from lit_parl.data.prefetch import beside
+from lit_parl.data.prefetch import Beside
 from lit_parl.data.schedule import DrawnPrompt
 from lit_parl.rewards.policy import ScoringPolicy, score_group
 from lit_parl.rewards.reward import Reward, as_reward
@@ -139,7 +139,7 @@ class GroupScorer:
                 if hasattr(groups, "close"):
                     groups.close()  # in this thread, the one that runs the pool's generator
 
-        yield from beside(read_pool, "lit_parl-pool-reader")
+        yield from Beside(read_pool, "lit_parl-pool-reader")
 
     def close(self) -> None:
         if self._executor is not None:
