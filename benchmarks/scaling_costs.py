@@ -9,12 +9,12 @@ Qwen2-0.5B's shape). The exact parameter counts are printed.
    ``pool.sync_weights([named_parameters], version)`` is timed after a first sync (which allocates the
    shared memory), beside a plain ``copy_`` of the same tensors into preallocated tensors (the bound),
    the two interleaved rep by rep, with the trainer's torch on 2 threads and on 1 (lit_parl's async
-   default here: the cores the pool's one worker thread leaves). One sync makes at least two copies
-   (trainer -> shared memory, shared memory -> the worker's model), so the ratio of bandwidths is given
-   against one memcpy and two. The worker's ``HFEngine.load`` is timed inside the worker (a subclass
-   that only adds a timer), so the sync splits into trainer copy, worker copy and the rest (messages).
-   A second pool runs the proposed fix, prototyped here: the worker's parameters *are* the shared
-   tensors (zero-copy load), so a sync is one copy.
+   default here: the cores the pool's one worker thread leaves). The worker's parameters are the shared
+   tensors (``HFEngine.load``), so a sync is the trainer's one copy into shared memory: its bound is one
+   memcpy. A second pool runs the load that was replaced (``two-copy``: the worker copies the shared
+   tensors into its own model, so a sync is two copies back to back; its ratio is also given against two
+   memcpys). The worker's load is timed inside the worker (a subclass that only adds a timer), so the
+   sync splits into the trainer's copy, the worker's load and the rest (messages).
 2. ``memory``: the trainer's peak memory for the forward and backward of one micro-batch (8 padded
    rows of 64 prompt + 64 completion tokens), through lit_parl's chunked log-prob kernel
    (``lit_parl.kernels.forward.completion_logprobs``) and through the plain path
@@ -201,21 +201,17 @@ class TimedHFEngine(HFEngine):
             log.write(f"{version} {time.perf_counter() - start}\n")
 
     def load_weights(self, shared: dict[str, torch.Tensor], version: int) -> None:
-        super().load(shared, version)  # one copy_ per parameter, on the worker's one thread
+        super().load(shared, version)  # the parameters are the shared tensors after the first load: no copy
 
 
-class ZeroCopyHFEngine(TimedHFEngine):
-    """The proposed fix: the model's parameters become the shared tensors on the first load, so a sync is
-    the trainer's one copy into shared memory. Safe while no generation runs during a sync (the worker
-    answers its messages in order, and the trainer writes only between iterations)."""
+class CopyingHFEngine(TimedHFEngine):
+    """The load as it was before the engine held the shared tensors: one ``copy_`` per parameter, on the
+    worker's one thread, so a sync was two copies back to back. Kept as the reference."""
 
     def load_weights(self, shared: dict[str, torch.Tensor], version: int) -> None:
-        parameters = dict(self.model.named_parameters())
-        if all(p.data_ptr() == shared[name].data_ptr() for name, p in parameters.items()):
-            return
         with torch.no_grad():
-            for name, parameter in parameters.items():
-                parameter.data = shared[name]  # a tied head is the same Parameter: it follows
+            for name, parameter in self.model.named_parameters():
+                parameter.copy_(shared[name])
 
 
 class TimedPool(HFRolloutPool):
@@ -250,7 +246,7 @@ def sync_rows(size: str, reps: int, thread_counts: list[int]) -> list[dict]:
     saved = InitialModelDir(model, tokenizer)
     rows = []
     try:
-        for method, engine in (("lit_parl", TimedHFEngine), ("zero-copy", ZeroCopyHFEngine)):
+        for method, engine in (("lit_parl", TimedHFEngine), ("two-copy", CopyingHFEngine)):
             with tempfile.NamedTemporaryFile(prefix="scaling_costs_load_", suffix=".log") as log:
                 pool = TimedPool(engine, log.name)
                 try:
@@ -282,12 +278,11 @@ def sync_rows(size: str, reps: int, thread_counts: list[int]) -> list[dict]:
 def run_sync(sizes: list[str], reps: int) -> None:
     print(
         "\n## 1. Weight sync: HFRolloutPool(num_workers=1, threads_per_worker=1).sync_weights against a plain memcpy\n"
-        "One sync makes at least two copies (trainer -> shared memory, shared memory -> the worker's model):\n"
-        "its bound is half the memcpy bandwidth, so the ratio is given against one memcpy and against two.\n"
-        "'load': how the worker takes the weights: 'lit_parl' is HFEngine.load (a copy_ per parameter); 'zero-copy'\n"
-        "is the proposed fix, prototyped in this script (the worker's parameters are the shared tensors; its\n"
-        "bound is one memcpy, so its ratio against two memcpys is left out). 'threads': torch\n"
-        "threads of the trainer's process (its copy into shared memory, and the memcpy); the worker has 1."
+        "'load': how the worker takes the weights. 'lit_parl' is HFEngine.load: the worker's parameters are the\n"
+        "shared tensors, so a sync is the trainer's one copy into shared memory (bound: one memcpy). 'two-copy' is\n"
+        "the load it replaced (a copy_ per parameter into the worker's own model, after the trainer's copy: bound\n"
+        "half a memcpy's bandwidth; its ratio is also given against two memcpys). 'threads': torch threads of the\n"
+        "trainer's process (its copy into shared memory, and the memcpy); the worker has 1."
     )
     main = Table(
         f"median of {reps} syncs and {reps} memcpys, interleaved",
@@ -299,7 +294,7 @@ def run_sync(sizes: list[str], reps: int) -> None:
         for r in sync_rows(size, reps, thread_counts=[THREADS, 1]):
             sync_s, copy_s = statistics.median(r["syncs"]), statistics.median(r["copies"])
             ratio = copy_s / sync_s  # bandwidths: bytes / sync_s over bytes / copy_s
-            copying = r["method"] == "lit_parl"
+            copying = r["method"] == "two-copy"
             main.row([
                 size, r["method"], str(r["threads"]), f"{r['bytes'] / 1e6:,.0f}", f"{sync_s:.4f}", f"{copy_s:.4f}",
                 f"{r['bytes'] / sync_s / 1e9:.2f}", f"{r['bytes'] / copy_s / 1e9:.2f}", f"{ratio:.2f}", f"{2 * ratio:.2f}" if copying else "-",

@@ -2,7 +2,9 @@
 
 Each worker builds the policy's architecture from ``PoolSpec.model_dir``'s config (no weights are read
 there: the first sync brings them). Weights travel through shared memory: the pool copies each bucket
-into shared tensors as it arrives, each worker copies them into its own model and confirms the version.
+into shared tensors as it arrives; at the first sync each worker makes its model's parameters those
+shared tensors (a copy only where the dtype differs), so later syncs are the pool's one copy, and each
+worker confirms the version once it handled the sync message.
 The iteration's requests go out at once, in chunks of ``prompts_per_request`` prompts spread
 round-robin over the workers. A worker emits each group as soon as it is finished and goes straight on
 with its next chunk while the trainer trains.
@@ -65,7 +67,16 @@ class HFEngine:
             raise ValueError(f"version {version}'s tensors do not fit the model: missing {missing[:5]}, unknown {extra[:5]}")
         with torch.no_grad():
             for name, parameter in parameters.items():
-                parameter.copy_(shared[name])
+                source = shared[name]
+                if parameter.data_ptr() == source.data_ptr():
+                    continue  # already the shared tensor: the pool's copy into it was the whole sync
+                if (parameter.dtype, parameter.shape, parameter.device) == (source.dtype, source.shape, source.device):
+                    # Zero-copy: the parameter becomes the shared tensor (a tied head is the same Parameter and
+                    # follows). Safe because the pool writes the shared tensors only in sync_weights, between
+                    # generate calls, and this worker confirms the version only once this message is handled.
+                    parameter.data = source
+                else:  # another dtype than the engine's (a bfloat16 policy into a float32 engine): a copy
+                    parameter.copy_(source)
 
     def sample(self, requests: list[GroupRequest], sampling: SamplingParams, version: int) -> Iterator[GroupCompletions]:
         if sampling.stop and self.tokenizer is None:
