@@ -25,8 +25,9 @@ from transformers import PretrainedConfig
 # flex, flash) keeps no seq x seq scores. It is an estimate, meant to catch a setting that is off by
 # several times, not to size a run to the last gigabyte.
 _HIDDEN_FACTOR, _INTERMEDIATE_FACTOR = 12, 4
-# Logits of one LM-head chunk in float32: the logits, their log-softmax, and the gradient of both.
-_LOGITS_COPIES = 3
+# Logits of one LM-head chunk in float32: the kernel holds four to five [chunk, vocabulary] tensors at once
+# (the logits / T, their log-softmax, its exp, the gradient; benchmarks/scaling_costs.py measured it).
+_LOGITS_COPIES = 5
 
 
 def context_length(config: PretrainedConfig) -> int | None:

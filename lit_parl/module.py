@@ -81,7 +81,7 @@ class GRPOModule(LightningModule):
         attention_backend: shared-prompt attention backend: ``auto`` picks the best one for the device and the
             compute dtype (``compute_dtype``), resolved at fit start; flash and npu compute in float16/bfloat16
             only, so ``auto`` never picks them for float32, and naming one for float32 is an error.
-        logprob_chunk_size: label tokens per LM-head chunk (memory: chunk x vocabulary floats).
+        logprob_chunk_size: label tokens per LM-head chunk (memory: four to five chunk x vocabulary floats).
         on_nonfinite: what a NaN or infinite advantage, log-prob, loss or gradient does to its optimizer
             step: ``skip`` it (counted as ``nonfinite/skipped_steps``, with a warning naming the prompts) or
             ``raise`` (``lit_parl.guards.NonFiniteGuard``).
