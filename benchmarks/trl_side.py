@@ -6,6 +6,10 @@ train on it. ``vs_trl.py`` starts it as a subprocess; it can also be run by hand
     .venv-trl/bin/python benchmarks/trl_side.py --model-dir /tmp/tiny --steps 20 --out /tmp/trl.json
 
 The settings mirror lit_parl's default job (``conf/``), and each choice is commented where it is made.
+``--batch-size`` and ``--grad-accum`` set how TRL trains a step's 256 completions: ``256 x 1`` (one batch,
+the default) or ``64 x 4`` (four accumulated micro-batches). Both generate the same 256 completions per
+step in one ``model.generate`` call and take one optimizer step on the same objective. Which is faster
+depends on the model and the machine; ``vs_trl.py`` runs both.
 The reward function is lit_parl's ``positional_reward`` on the completion's token ids (TRL cuts each
 completion after its first end token, end token included, which is what lit_parl's reward expects).
 """
@@ -32,7 +36,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--prompts-per-step", type=int, default=32)
     p.add_argument("--group-size", type=int, default=8)
-    p.add_argument("--micro-batch-size", type=int, default=64, help="completions per forward/backward (lit_parl's micro_batch_size)")
+    p.add_argument("--batch-size", type=int, default=256,
+                   help="per_device_train_batch_size: completions per forward/backward (256: the whole step in one batch)")
+    p.add_argument("--grad-accum", type=int, default=1,
+                   help="gradient_accumulation_steps; batch-size x grad-accum must be prompts-per-step x group-size")
     p.add_argument("--max-new-tokens", type=int, default=6)
     p.add_argument("--lr", type=float, default=5e-4)
     p.add_argument("--beta", type=float, default=0.0)
@@ -104,17 +111,21 @@ def main(argv=None) -> dict:
                       f"reward {record['rewards'][-1]:.3f}", flush=True)
 
     samples_per_step = args.prompts_per_step * args.group_size
-    if samples_per_step % args.micro_batch_size:
-        raise SystemExit(f"--micro-batch-size {args.micro_batch_size} must divide {samples_per_step}")
+    if args.batch_size * args.grad_accum != samples_per_step:
+        raise SystemExit(f"--batch-size {args.batch_size} x --grad-accum {args.grad_accum} must be {samples_per_step}")
     output_dir = tempfile.mkdtemp(prefix="trl_side_")
     config = GRPOConfig(
         output_dir=output_dir,
         seed=args.seed,
         data_seed=args.seed,
-        # one optimizer step = prompts_per_step x G completions, trained in micro-batches of micro_batch_size
-        # (lit_parl: 32 x 8 = 256 completions per iteration, micro_batch_size 64, one optimizer step)
-        per_device_train_batch_size=args.micro_batch_size,
-        gradient_accumulation_steps=samples_per_step // args.micro_batch_size,
+        # one optimizer step = prompts_per_step x G completions (lit_parl: 32 x 8 = 256 per iteration), trained
+        # as grad_accum batches of batch_size: 256x1 (one batch) or 64x4 (4 accumulated micro-batches).
+        # steps_per_generation = grad_accum (TRL's default, spelled out) makes the generation batch
+        # batch_size x grad_accum = 256: one model.generate call of 256 rows per optimizer step in both layouts,
+        # and since grad_accum % steps_per_generation == 0 TRL skips the old-log-prob forward (on-policy).
+        per_device_train_batch_size=args.batch_size,
+        gradient_accumulation_steps=args.grad_accum,
+        steps_per_generation=args.grad_accum,
         num_generations=args.group_size,
         max_steps=args.steps,
         num_iterations=1,  # one pass: on-policy, old log-probs = current (TRL skips their forward)
@@ -128,7 +139,9 @@ def main(argv=None) -> dict:
         # objective: conf/algorithm/grpo.yaml (clip 0.2/0.2, group std scaling, seq-mean-token-mean)
         beta=args.beta,
         epsilon=0.2,
-        loss_type="grpo",  # per-sequence token mean, mean over sequences == lit_parl's seq-mean-token-mean
+        # per-sequence token mean, mean over the batch's sequences, divided by grad_accum: with equal batches this
+        # is the mean over all 256 sequences in both layouts == lit_parl's seq-mean-token-mean
+        loss_type="grpo",
         scale_rewards="group",
         mask_truncated_completions=False,
         # optimizer: lit_parl's AdamW(lr, betas=(0.9, 0.999), eps=1e-8, weight_decay=0), clip 1.0, no schedule
@@ -153,6 +166,9 @@ def main(argv=None) -> dict:
         save_strategy="no",
         log_completions=False,
     )
+    if config.generation_batch_size != samples_per_step or config.steps_per_generation != args.grad_accum:
+        raise RuntimeError(f"TRL derived generation_batch_size {config.generation_batch_size}, steps_per_generation "
+                           f"{config.steps_per_generation}; expected {samples_per_step}, {args.grad_accum}")
     trainer = GRPOTrainer(
         model=model,
         reward_funcs=copy_reward,
@@ -170,6 +186,7 @@ def main(argv=None) -> dict:
         raise RuntimeError(f"expected {args.steps} generation batches of {samples_per_step}, got {len(rewards)} / {record['completions']}")
     result = {
         "side": "trl",
+        "trl_config": f"{args.batch_size}x{args.grad_accum}",
         "steps": args.steps,
         "completions": record["completions"],
         "completion_tokens": record["tokens"],
