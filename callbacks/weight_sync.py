@@ -18,8 +18,9 @@ SYNCS_KEPT = 64  # sync intervals kept for readers such as PipelineTimeline (one
 class WeightSync(Callback):
     r"""Push the policy to a weight receiver before every epoch, as version ``trainer.current_epoch``.
 
-    With ``push_early`` (the default) the weights of epoch k + 1 go out at epoch k's end, as the first
-    epoch-end hook of the callbacks listed after it, instead of at epoch k + 1's start: the pool then
+    With ``push_early`` (the default) the weights of epoch k + 1 go out at epoch k's end, in this callback's
+    ``on_train_epoch_end`` (which Lightning calls before the module's and before those of the callbacks
+    listed after it), instead of at epoch k + 1's start: the pool then
     generates the next iteration while Lightning runs the rest of epoch k's end (the module's logging and
     metrics, checkpoints, later callbacks) and starts epoch k + 1. Lightning has validated and taken the
     epoch's last optimizer step by then. List it first among the callbacks so the most work overlaps. The
