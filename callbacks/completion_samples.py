@@ -10,6 +10,7 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.utilities import rank_zero_warn
 
 from .contracts import HasTokenizer, SampleBatch, SampleRecord, require
+from .fit_end import is_last_epoch
 
 # the table's columns before one `reward/<name>` column per reward component
 COLUMNS = ("iteration", "version", "prompt_id", "sample_index", "prompt", "completion", "reward", "advantage",
@@ -139,7 +140,7 @@ class CompletionSamples(Callback):
 
     def is_due(self, trainer: Trainer) -> bool:
         """Whether the iteration now ending is written: every ``every_n_iterations``-th, and the last."""
-        return (trainer.current_epoch + 1) % self.every_n_iterations == 0 or _is_last_iteration(trainer)
+        return (trainer.current_epoch + 1) % self.every_n_iterations == 0 or is_last_epoch(trainer)
 
     def on_train_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         kept = self._kept
@@ -202,15 +203,6 @@ class CompletionSamples(Callback):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.rows_written = state_dict["rows_written"]
         self._restored = True
-
-
-def _is_last_iteration(trainer: Trainer) -> bool:
-    """Whether the fit ends after the epoch now ending (its epoch limit, its step limit, or a stop request)."""
-    if trainer.should_stop:
-        return True
-    if trainer.max_epochs is not None and trainer.max_epochs >= 0 and trainer.current_epoch + 1 >= trainer.max_epochs:
-        return True
-    return trainer.max_steps >= 0 and trainer.global_step >= trainer.max_steps
 
 
 def load_samples(path: str | Path) -> list[dict[str, Any]]:

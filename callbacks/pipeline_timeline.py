@@ -9,9 +9,9 @@ from pathlib import Path
 from typing import Any
 
 from lightning.pytorch import Callback, LightningModule, Trainer
-from lightning.pytorch.utilities import rank_zero_warn
 
-from .contracts import IterationHistory, IterationRecord, SyncTimes, TrainIntervals, contract_problems, require
+from .contracts import IterationHistory, SyncTimes, TrainIntervals, contract_problems, require
+from .fit_end import ends_iteration, new_record
 
 
 def _union_length(intervals: list[tuple[float, float]]) -> float:
@@ -31,26 +31,26 @@ def overlap_efficiency(gen_busy: float, train_busy: float, wall: float) -> float
 class PipelineTimeline(Callback):
     r"""Record every iteration's generation, training and weight-sync intervals; log how much they overlapped.
 
-    Every epoch it logs the overlap efficiency
+    After each iteration's last batch it logs the overlap efficiency
 
         (gen_busy + train_busy - iteration_wall) / min(gen_busy, train_busy)
 
     which is 1.0 when the shorter side is fully hidden behind the longer one and 0.0 when the two took
     turns. ``iteration_wall`` runs from the iteration's first request to its last training step; the weight
-    sync before it is drawn but not counted. Each iteration's intervals (in seconds since the first epoch
-    started) are appended to ``timeline.jsonl`` as it ends (one JSON object per line; ``load_timeline``
-    reads it), and only the last ``window`` stay in memory, so a run of any length holds the same. At the
-    end of fit it draws those into ``timeline.png``, a Gantt chart.
+    sync before it is drawn but not counted. Each iteration's intervals (in seconds since training started)
+    are appended to ``timeline.jsonl`` as it ends (one JSON object per line; ``load_timeline`` reads it), and
+    only the last ``window`` stay in memory, so a run of any length holds the same. At the end of fit it
+    draws those into ``timeline.png``, a Gantt chart. An iteration that a stop (``max_time``) cuts short is
+    left out; one whose epoch end a resume skips is not (``lit_parl.callbacks.fit_end``).
 
     It reads the generation side from the last record of ``trainer.datamodule.history``
     (:class:`~lit_parl.callbacks.IterationHistory`: ``requested_at``, ``gen_intervals``), the training side
     from the module's ``train_intervals`` (:class:`~lit_parl.callbacks.TrainIntervals`), and the sync from
     the one other callback with ``sync_intervals`` (:class:`~lit_parl.callbacks.SyncTimes`, e.g.
-    ``WeightSync``); with no such callback there is no sync row. A sync that starts after the epoch's last
-    training step belongs to the next iteration (``WeightSync(push_early=True)`` pushes it at this epoch's end)
-    and is drawn there. A checkpoint keeps the last ``window``
-    iterations and the count: a run resumed into the same ``dirpath`` keeps the file's lines up to the
-    checkpoint and appends; resumed elsewhere (the CLI gives each run its own directory), its file starts
+    ``WeightSync``); with no such callback there is no sync row. A sync pushed at an epoch's end
+    (``WeightSync(push_early=True)``) is the next iteration's and is drawn there. A checkpoint keeps the last
+    ``window`` iterations and the count: a run resumed into the same ``dirpath`` keeps the file's lines up to
+    the checkpoint and appends; resumed elsewhere (the CLI gives each run its own directory), its file starts
     at the restored count and the earlier lines stay in the first run's file.
 
     Override ``plot(path)`` to draw the chart differently (``self.iterations`` holds the last ``window``).
@@ -102,7 +102,7 @@ class PipelineTimeline(Callback):
         self._file: Path | None = None
         self._last_record: Any = None
         self._epoch_start = 0.0
-        self._origin: float | None = None  # monotonic time that is 0 s in self.iterations
+        self._origin = 0.0  # monotonic time that is 0 s in self.iterations: when training started
         self._offset = 0.0  # a resumed run continues after the restored iterations instead of overdrawing them
 
     def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
@@ -121,27 +121,25 @@ class PipelineTimeline(Callback):
         self._sync_source = sources[0] if sources else None
         self._last_sync = sources[0].sync_intervals[-1] if sources and sources[0].sync_intervals else None
         self._last_record = None
-        self._origin = None
         self._file = Path(self.dirpath or trainer.default_root_dir) / "timeline.jsonl"
         if trainer.is_global_zero:  # keep the lines of the iterations this run restored (none for a new run)
             kept = self._file.read_text().splitlines(keepends=True)[: self.count] if self._file.exists() and self.count else []
             self._file.parent.mkdir(parents=True, exist_ok=True)
             self._file.write_text("".join(kept))
 
+    def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        # here, not at the first epoch's start: a fit resumed inside an epoch starts it without on_train_epoch_start
+        self._origin = self._epoch_start = time.monotonic()
+
     def on_train_epoch_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self._epoch_start = time.monotonic()
-        if self._origin is None:
-            self._origin = self._epoch_start
 
-    def on_train_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        history = trainer.datamodule.history
-        record = history[-1] if history else None
-        if record is None or record is self._last_record:
-            rank_zero_warn(f"PipelineTimeline: epoch {trainer.current_epoch} ended without a new record in "
-                           f"{type(trainer.datamodule).__name__}.history; it is left out of the timeline.")
+    def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int) -> None:
+        if not ends_iteration(trainer):  # booked here, not at the epoch's end: see lit_parl.callbacks.fit_end
             return
-        require(record, IterationRecord, owner="PipelineTimeline", role="each record of the datamodule's `history`",
-                fix="Append records with the fields of lit_parl.callbacks.IterationRecord (lit_parl.data.stats.IterationStats has them).")
+        record = new_record(trainer, self._last_record, owner="PipelineTimeline", left_out_of="timeline")
+        if record is None:
+            return
         self._last_record = record
         end = time.monotonic()
         train = list(pl_module.train_intervals)
@@ -150,8 +148,6 @@ class PipelineTimeline(Callback):
             for interval in reversed(self._sync_source.sync_intervals):
                 if interval == self._last_sync:
                     break
-                if train and interval[0] >= train[-1][1]:
-                    continue  # the next iteration's, pushed at this one's end (WeightSync(push_early=True))
                 sync.insert(0, tuple(interval))
             self._last_sync = sync[-1] if sync else self._last_sync
         gen = list(record.gen_intervals)
@@ -177,7 +173,7 @@ class PipelineTimeline(Callback):
         if trainer.is_global_zero:
             with self._file.open("a") as lines:
                 lines.write(json.dumps(entry) + "\n")
-        pl_module.log("overlap_efficiency", efficiency, on_epoch=True)
+        pl_module.log("overlap_efficiency", efficiency, on_step=False, on_epoch=True, batch_size=1)
 
     def on_fit_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         if not trainer.is_global_zero or not self.iterations:

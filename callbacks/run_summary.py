@@ -10,20 +10,22 @@ from typing import Any
 
 import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
-from lightning.pytorch.utilities import rank_zero_warn
 
-from .contracts import IterationHistory, IterationRecord, TrainIntervals, require
+from .contracts import IterationHistory, TrainIntervals, require
+from .fit_end import ends_iteration, new_record
 
 
 class RunSummary(Callback):
     r"""Log each iteration's throughput and write ``summary.json`` (and print it on one line) when fit ends.
 
-    Every epoch it reads the iteration's record, the last entry of ``trainer.datamodule.history``
+    After each iteration's last batch it reads the iteration's record, the last of ``trainer.datamodule.history``
     (:class:`~lit_parl.callbacks.IterationHistory`: completions, tokens, rewards, generation time), and the
     module's ``train_intervals`` (:class:`~lit_parl.callbacks.TrainIntervals`), and logs
     ``completions_per_s`` (on the progress bar), ``tokens_per_s``, ``gen_busy_s``, ``train_busy_s`` and
     ``dropped_groups``. At the end of fit it writes the totals to ``<dirpath>/summary.json`` and prints
-    ``lit_parl summary: {...}``; ``self.summary`` holds the same dict. Totals survive a checkpoint.
+    ``lit_parl summary: {...}``; ``self.summary`` holds the same dict. Totals survive a checkpoint, also one
+    written after an iteration's last batch, whose epoch end a resume skips; an iteration that a stop
+    (``max_time``) cuts short is left out (``lit_parl.callbacks.fit_end``).
 
     Override ``make_summary(trainer)`` to add or change fields.
 
@@ -94,16 +96,12 @@ class RunSummary(Callback):
     def on_train_epoch_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self._epoch_start = time.monotonic()
 
-    def on_train_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        history = trainer.datamodule.history
-        record = history[-1] if history else None
-        if record is None or record is self._last_record:
-            # e.g. a run stopped mid-epoch (max_steps, an interrupt): say so rather than count an iteration twice
-            rank_zero_warn(f"RunSummary: epoch {trainer.current_epoch} ended without a new record in "
-                           f"{type(trainer.datamodule).__name__}.history; it is left out of the summary.")
+    def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int) -> None:
+        if not ends_iteration(trainer):  # booked here, not at the epoch's end: see lit_parl.callbacks.fit_end
             return
-        require(record, IterationRecord, owner="RunSummary", role="each record of the datamodule's `history`",
-                fix="Append records with the fields of lit_parl.callbacks.IterationRecord (lit_parl.data.stats.IterationStats has them).")
+        record = new_record(trainer, self._last_record, owner="RunSummary", left_out_of="summary")
+        if record is None:
+            return
         self._last_record = record
         wall = max(time.monotonic() - self._epoch_start, 1e-9)
         train_busy = sum(end - start for start, end in pl_module.train_intervals)
@@ -121,11 +119,11 @@ class RunSummary(Callback):
         self.tokens += int(tokens)
         self.gen_busy_s += gen_busy
         self.train_busy_s += train_busy
-        pl_module.log("completions_per_s", completions / wall, prog_bar=True, on_epoch=True)
-        pl_module.log("tokens_per_s", tokens / wall, on_epoch=True)
-        pl_module.log("gen_busy_s", gen_busy, on_epoch=True)
-        pl_module.log("train_busy_s", train_busy, on_epoch=True)
-        pl_module.log("dropped_groups", dropped, on_epoch=True)
+        pl_module.log("completions_per_s", completions / wall, prog_bar=True, on_step=False, on_epoch=True, batch_size=1)
+        pl_module.log("tokens_per_s", tokens / wall, on_step=False, on_epoch=True, batch_size=1)
+        pl_module.log("gen_busy_s", gen_busy, on_step=False, on_epoch=True, batch_size=1)
+        pl_module.log("train_busy_s", train_busy, on_step=False, on_epoch=True, batch_size=1)
+        pl_module.log("dropped_groups", dropped, on_step=False, on_epoch=True, batch_size=1)
 
     def make_summary(self, trainer: Trainer) -> dict[str, Any]:
         """The summary of the run so far (what ``summary.json`` holds)."""

@@ -9,6 +9,7 @@ from collections.abc import Iterable, Iterator
 import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
 
+from .fit_end import is_last_epoch
 from .full_tensors import full_tensors
 from .contracts import HasPolicy, HasRolloutPool, IterationGate, WeightBucket, WeightReceiver, contract_problems, require
 
@@ -174,7 +175,7 @@ class WeightSync(Callback):
             self._pushed_for_epoch = trainer.current_epoch
 
     def on_train_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        if self.push_early and _another_epoch_follows(trainer):
+        if self.push_early and not is_last_epoch(trainer):
             self._push(self.policy_tensors(trainer, pl_module), trainer.current_epoch + 1)
             self._pushed_for_epoch = trainer.current_epoch + 1
 
@@ -190,12 +191,3 @@ class WeightSync(Callback):
             self._gate.open_iteration(version)
         self.sync_intervals.append((start, time.monotonic()))
 
-
-def _another_epoch_follows(trainer: Trainer) -> bool:
-    """Whether the fit surely runs another epoch after this one (the fit loop's own stopping rules)."""
-    if trainer.should_stop:
-        return False
-    max_epochs = trainer.max_epochs
-    if max_epochs is not None and max_epochs >= 0 and trainer.current_epoch + 1 >= max_epochs:
-        return False
-    return not (trainer.max_steps >= 0 and trainer.global_step >= trainer.max_steps)

@@ -433,7 +433,7 @@ def test_run_summary_warns_about_an_epoch_without_a_new_record(tmp_path):
 
     data = OneRecordData(FakePool())
     summary = RunSummary(dirpath=str(tmp_path))
-    with pytest.warns(UserWarning, match=r"epoch 1 ended without a new record in OneRecordData\.history"):
+    with pytest.warns(UserWarning, match=r"iteration 1 ended without a new record in OneRecordData\.history"):
         fit(PolicyModel(), data, [WeightSync(), summary], epochs=2)
     assert len(data.history) == 1
     assert summary.summary["iterations"] == 1 and summary.summary["completions"] == COMPLETIONS  # not counted twice

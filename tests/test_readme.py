@@ -5,6 +5,7 @@ gets an error that says so."""
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import re
 import shlex
@@ -15,6 +16,7 @@ from pathlib import Path
 import pytest
 from hydra import compose, initialize_config_module
 
+from lit_parl.callbacks import load_samples, load_timeline
 from lit_parl.cli import build
 
 README = Path(__file__).resolve().parents[1] / "README.md"
@@ -99,6 +101,23 @@ def test_the_default_job_prints_no_warning_and_writes_one_directory(tmp_path):
     assert "lit_parl summary:" in result.stdout
     assert sorted(p.name for p in tmp_path.iterdir()) == ["run"], "a second directory was created"
     assert {".hydra", "metrics.csv", "summary.json", "policy"} <= {p.name for p in run_dir.iterdir()}
+
+
+def test_a_default_job_cut_by_max_time_prints_no_warning(tmp_path):
+    """On a slow machine the default job ends at ``trainer.max_time``, inside an iteration: that iteration is left
+    out of the summary and the timeline, quietly. An iteration of 128 micro-batches (1,024 prompts) makes a stop
+    at its very end unlikely; the samples file shows where it came (written at the stop, of the cut iteration)."""
+    run_dir = tmp_path / "run"
+    command = [str(LIT_PARL), "shape.prompts=1024", "trainer.max_time=00:00:00:01", f"run_dir={run_dir}"]
+    result = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    output = result.stdout + result.stderr
+    assert "Time limit reached" in output
+    noise = [line for line in output.splitlines() if re.search(r"warn|deprecat|Tip:|\.py:\d+: ", line, re.I)]
+    assert not noise, "\n".join(noise)
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert {row["iteration"] for row in load_samples(run_dir / "samples.jsonl")} == {summary["iterations"]}, "not cut inside an iteration"
+    assert len(load_timeline(run_dir / "timeline.jsonl")) == summary["iterations"]
 
 
 def test_help_and_cfg_job_still_work(tmp_path):

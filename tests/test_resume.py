@@ -7,18 +7,21 @@ from __future__ import annotations
 import lightning
 import pytest
 import torch
+from hydra import compose, initialize_config_module
+from hydra.utils import instantiate
 from lightning.pytorch import Callback
 from lightning.pytorch.callbacks import ModelCheckpoint
 
+import lit_parl.callbacks
 from conftest import BatchRecorder, InProcessPool, make_components, policy_state, sgd
 from lit_parl import GRPOObjective
-from lit_parl.callbacks import WeightSync
+from lit_parl.callbacks import PipelineTimeline, RunSummary, WeightSync, load_timeline
 
 ITERATIONS = 3
 STEPS_PER_ITERATION = 4  # mini_batches=2 x passes=2
 
 
-def run(tmp_path, *, ckpt_path=None, save_every_step=False, callbacks=(), dynamic=False):
+def run(tmp_path, *, ckpt_path=None, save_every_step=False, callbacks=(), dynamic=False, weight_sync=True):
     objective = GRPOObjective(beta=0.04, dynamic_sampling=dynamic)
     module, datamodule = make_components(
         pool=InProcessPool(), prompts=8, group_size=4, micro_batch_size=8, mini_batches=2, passes=2, objective=objective, **sgd(0.5)
@@ -26,7 +29,7 @@ def run(tmp_path, *, ckpt_path=None, save_every_step=False, callbacks=(), dynami
     recorder = BatchRecorder()
     checkpoints = [ModelCheckpoint(dirpath=tmp_path, filename="{step}", every_n_train_steps=1, save_top_k=-1)] if save_every_step else []
     trainer = lightning.Trainer(
-        accelerator="cpu", max_epochs=ITERATIONS, callbacks=[WeightSync(), recorder, *checkpoints, *callbacks], logger=False,
+        accelerator="cpu", max_epochs=ITERATIONS, callbacks=[*([WeightSync()] if weight_sync else []), recorder, *checkpoints, *callbacks], logger=False,
         enable_checkpointing=save_every_step, enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
     )
     trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt_path)
@@ -73,6 +76,37 @@ def test_the_resumed_iteration_generates_from_its_starting_weights(tmp_path):
     for name, tensor in weights.items():
         torch.testing.assert_close(tensor, state[f"old.{name}"], rtol=0, atol=0)
     assert any(not torch.equal(state[f"old.{name}"], state[f"policy.{name}"]) for name in weights)  # θ_k is not the policy
+
+
+def cli_callbacks(run_dir) -> list:
+    """The callbacks ``lit-parl`` installs by default (``conf/callbacks/default.yaml``), writing into ``run_dir``;
+    its ModelCheckpoint left out (these tests write their own)."""
+    with initialize_config_module(config_module="lit_parl.conf", version_base="1.3"):
+        cfg = compose(config_name="config", overrides=[f"run_dir={run_dir}", "checkpoint_every=0"])
+    return [instantiate(node) for name, node in cfg.callbacks.items() if node is not None and name != "checkpoint"]
+
+
+@pytest.mark.parametrize("step", [4, 5, 6], ids=["after_an_iterations_last_step", "inside_an_iteration", "in_its_second_pass"])
+def test_resume_with_the_callbacks_the_cli_installs(tmp_path, step):
+    """Every shipped callback, as the CLI installs it, survives a restart inside an epoch (Lightning skips the epoch's
+    start) and after an iteration's last step (Lightning then skips the epoch's end too): the fit ends with the
+    uninterrupted weights, and the summary and the timeline count every iteration once."""
+    straight, _, _ = run(tmp_path / "straight")
+    saved = cli_callbacks(tmp_path / "saved")
+    shipped = {getattr(lit_parl.callbacks, name) for name in lit_parl.callbacks.__all__}
+    assert {type(c) for c in saved} == {c for c in shipped if isinstance(c, type) and issubclass(c, Callback)}
+    run(tmp_path / "saved", save_every_step=True, callbacks=saved, weight_sync=False)
+    resumed_callbacks = cli_callbacks(tmp_path / "resumed")
+    resumed, _, _ = run(tmp_path / "resumed", ckpt_path=str(tmp_path / "saved" / f"step={step}.ckpt"), callbacks=resumed_callbacks,
+                        weight_sync=False)
+    assert_same_policy(resumed, straight)
+    summary = next(c for c in resumed_callbacks if isinstance(c, RunSummary)).summary
+    assert (summary["iterations"], summary["completions"]) == (ITERATIONS, ITERATIONS * 8 * 4), summary
+    timeline = next(c for c in resumed_callbacks if isinstance(c, PipelineTimeline))
+    assert timeline.count == ITERATIONS
+    restored = (step - 1) // STEPS_PER_ITERATION + (step % STEPS_PER_ITERATION == 0)  # iterations booked in the checkpoint
+    lines = load_timeline(tmp_path / "resumed" / "timeline.jsonl")
+    assert [line["iteration"] for line in lines] == list(range(restored, ITERATIONS))
 
 
 def assert_same_policy(module, expected) -> None:
@@ -169,3 +203,23 @@ def test_checkpoints_leave_out_the_models_the_module_rebuilds(tmp_path):
                                 enable_progress_bar=False, enable_model_summary=False)
     with pytest.raises(ValueError, match="another reference model"):
         trainer.fit(module, datamodule=datamodule, ckpt_path=str(tmp_path / "step=4.ckpt"))
+
+
+def test_resume_takes_a_checkpoint_file_or_a_run_directory(tmp_path):
+    """``resume=`` names a file, or a run directory whose newest checkpoint (``checkpoints/last.ckpt``) is taken;
+    a directory without one, or a path that does not exist, is refused naming what to pass instead."""
+    from lit_parl.cli import checkpoint_to_resume
+
+    run_dir = tmp_path / "run"
+    (run_dir / "checkpoints").mkdir(parents=True)
+    step = run_dir / "checkpoints" / "epoch=2-step=5.ckpt"
+    step.write_bytes(b"")
+    assert checkpoint_to_resume(None) is None
+    assert checkpoint_to_resume(str(step)) == str(step)
+    with pytest.raises(FileNotFoundError, match=r"no checkpoints/last.ckpt or last.ckpt; name one of its checkpoints, quoted: "
+                                                r"\"resume='.*/run/checkpoints/epoch=2-step=5.ckpt'\""):
+        checkpoint_to_resume(str(run_dir))
+    (run_dir / "checkpoints" / "last.ckpt").write_bytes(b"")
+    assert checkpoint_to_resume(str(run_dir)) == str(run_dir / "checkpoints" / "last.ckpt")
+    with pytest.raises(FileNotFoundError, match="no such checkpoint file or run directory"):
+        checkpoint_to_resume(str(tmp_path / "missing"))
