@@ -108,17 +108,39 @@ def build(cfg: DictConfig) -> tuple[GRPOModule, RolloutDataModule, lightning.Tra
     return module, datamodule, trainer
 
 
+def checkpoint_to_resume(resume: str | None) -> str | None:
+    """The checkpoint file ``resume`` names: a file as given, or a run directory's newest (``checkpoints/last.ckpt``,
+    or ``last.ckpt`` in the directory itself). Lightning's own names hold ``=``, which Hydra's override parser
+    reads as syntax: quote them (``"resume='runs/x/checkpoints/epoch=2-step=5.ckpt'"``), or pass the run directory."""
+    if resume is None:
+        return None
+    path = Path(resume)
+    if path.is_file():
+        return str(path)
+    if path.is_dir():
+        for candidate in (path / "checkpoints" / "last.ckpt", path / "last.ckpt"):
+            if candidate.is_file():
+                return str(candidate)
+        found = sorted(str(p.relative_to(path)) for p in path.rglob("*.ckpt"))[:5]
+        raise FileNotFoundError(
+            f"resume={resume}: the directory holds no checkpoints/last.ckpt or last.ckpt"
+            + (f"; name one of its checkpoints, quoted: \"resume='{path / found[-1]}'\"" if found else " (nor any .ckpt file)")
+        )
+    raise FileNotFoundError(f"resume={resume}: no such checkpoint file or run directory")
+
+
 def _raise_keyboard_interrupt(signum, frame):
     raise KeyboardInterrupt(f"received signal {signum}")
 
 
 def run(cfg: DictConfig) -> dict:
     _quiet_console(Path(cfg.run_dir))
+    checkpoint = checkpoint_to_resume(cfg.resume)  # before anything is built: a wrong path fails at once
     module, datamodule, trainer = build(cfg)
     # SIGTERM unwinds like Ctrl-C: Lightning's exception path has the datamodule close its pool
     previous = signal.signal(signal.SIGTERM, _raise_keyboard_interrupt)
     try:
-        trainer.fit(module, datamodule=datamodule, ckpt_path=cfg.resume)
+        trainer.fit(module, datamodule=datamodule, ckpt_path=checkpoint)
     finally:
         signal.signal(signal.SIGTERM, previous)
     summary = next((c for c in trainer.callbacks if isinstance(c, RunSummary)), None)

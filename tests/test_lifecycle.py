@@ -24,6 +24,7 @@ from pathlib import Path
 
 import lightning
 import pytest
+import torch
 from conftest import fit, make_components
 from hydra import compose, initialize_config_module
 from hydra.errors import InstantiationException, MissingConfigException
@@ -285,6 +286,24 @@ def test_cli_sigkill_takes_the_worker_down(tmp_path):
         assert _wait_until(lambda: not _session(proc.pid), 10.0), (
             f"processes of the run still alive 10 s after SIGKILL: {_describe(_session(proc.pid))}"
         )
+
+
+@pytest.mark.slow  # make test-slow
+def test_cli_resumes_from_a_step_checkpoint_with_the_default_callbacks(tmp_path):
+    """As a user would: a step-level ModelCheckpoint added on the command line, then a resume from a checkpoint
+    inside an iteration, its name (which holds '=') quoted; the resumed run ends with the first run's weights."""
+    from safetensors.torch import load_file
+
+    job = ["iterations=3", "shape.mini_batches=2", "checkpoint_every=0", "trainer.max_time=null"]
+    step_checkpoints = ["+callbacks.stepckpt._target_=lightning.pytorch.callbacks.ModelCheckpoint",
+                        "+callbacks.stepckpt.every_n_train_steps=1", "+callbacks.stepckpt.save_top_k=-1",
+                        f"+callbacks.stepckpt.dirpath={tmp_path / 'ckpts'}"]
+    for overrides in ([*job, *step_checkpoints, f"run_dir={tmp_path / 'first'}"],
+                      [*job, f"resume='{tmp_path / 'ckpts' / 'epoch=1-step=3.ckpt'}'", f"run_dir={tmp_path / 'resumed'}"]):
+        result = subprocess.run([str(LIT_PARL), *overrides], cwd=tmp_path, capture_output=True, text=True, timeout=300)
+        assert result.returncode == 0, result.stderr[-3000:]
+    first, resumed = (load_file(tmp_path / run / "policy" / "model.safetensors") for run in ("first", "resumed"))
+    assert first.keys() == resumed.keys() and all(torch.equal(first[name], resumed[name]) for name in first)
 
 
 # -- 2: bad configuration fails early, before any process -----------------------------------------------
