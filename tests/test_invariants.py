@@ -260,29 +260,33 @@ def test_the_pool_itself_refuses_requests_for_a_version_it_does_not_hold(hf_pool
 
 def test_a_stream_pulled_before_the_weights_sync_waits_at_the_gate_and_sends_nothing():
     """Invariant 2 without Lightning's hook order: an iteration pulled before its weights were synced (as a
-    prefetching loop would) blocks in the gate, sends no request, and goes on once the pool confirmed them."""
+    prefetching loop would) blocks in the gate, sends no request, and goes on once the pool confirmed them.
+    The first iteration finds the gate never opened; the second finds it closed again by the first's end."""
     pool = GateRecorder(InProcessPool())
     module, data = make_components(pool=pool, prompts=2, group_size=2, micro_batch_size=2)
     data.setup("fit")  # starts the pool
-    pulled = {}
-
-    def pull():
-        try:
-            pulled["batch"] = next(iter(data.train_dataloader()))
-        except BaseException as error:  # noqa: BLE001 - reported by the assertions below
-            pulled["error"] = error
-
     try:
-        thread = threading.Thread(target=pull, daemon=True)
-        thread.start()
-        thread.join(0.5)
-        assert thread.is_alive() and not pulled, f"the iteration went ahead of its weights: {pulled}"
-        assert pool.events == []
-        pool.sync_weights([list(module.policy.named_parameters())], version=0)
-        data.open_iteration(0)
-        thread.join(60)
-        assert pulled["batch"].version == 0, pulled
-        assert [event[0] for event in pool.events] == ["sync_start", "synced", "request"]
+        for version in (0, 1):
+            pulled = {}
+
+            def pull():
+                try:
+                    stream = iter(data.train_dataloader())
+                    pulled["batches"] = [next(stream)]
+                    pulled["batches"] += list(stream)  # the whole iteration: its end closes the gate
+                except BaseException as error:  # noqa: BLE001 - reported by the assertions below
+                    pulled["error"] = error
+
+            thread = threading.Thread(target=pull, daemon=True)
+            thread.start()
+            thread.join(0.5)
+            assert thread.is_alive() and not pulled, f"iteration {version} went ahead of its weights: {pulled}"
+            assert [event[0] for event in pool.events] == ["sync_start", "synced", "request"] * version
+            pool.sync_weights([list(module.policy.named_parameters())], version=version)
+            data.open_iteration(version)
+            thread.join(60)
+            assert [batch.version for batch in pulled["batches"]] == [version, version], pulled
+            assert [event[0] for event in pool.events] == ["sync_start", "synced", "request"] * (version + 1)
     finally:
         data.teardown("fit")
 

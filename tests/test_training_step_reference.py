@@ -105,8 +105,11 @@ def group_advantages(rewards: torch.Tensor) -> torch.Tensor:
     return (rewards - rewards.mean()) / (rewards.std() + EPS)
 
 
-def reference_fit(initial, pool: RecordingPool, recorder: MicroBatchRecorder, options: dict, lr: float, temperature: float):
-    """The weights at the start of each iteration and at the end, training on the recorded micro-batches."""
+def reference_fit(initial, pool: RecordingPool, recorder: MicroBatchRecorder, options: dict, lr: float, temperature: float,
+                  max_grad_norm: float | None = None, norms: list | None = None):
+    """The weights at the start of each iteration and at the end, training on the recorded micro-batches; with
+    ``max_grad_norm``, each step's gradient (of the mini-batch's mean loss) scaled to at most that global norm,
+    and its norm before clipping appended to ``norms``."""
     eps_low = options.get("clip_eps", 0.2)
     eps_high = options.get("clip_eps_high") or eps_low
     beta, estimator = options.get("beta", 0.0), options.get("kl_estimator", "k3")
@@ -161,6 +164,12 @@ def reference_fit(initial, pool: RecordingPool, recorder: MicroBatchRecorder, op
                 policy.zero_grad(set_to_none=True)
                 (total / normaliser).backward()
                 with torch.no_grad():
+                    grads = [parameter.grad for parameter in policy.parameters() if parameter.grad is not None]
+                    if max_grad_norm is not None:  # torch's rule: scale by max / (norm + 1e-6) when that is below 1
+                        norm = float(torch.sqrt(sum((grad.double() ** 2).sum() for grad in grads)))
+                        norms.append(norm)
+                        for grad in grads:
+                            grad.mul_(min(1.0, max_grad_norm / (norm + 1e-6)))
                     for parameter in policy.parameters():
                         if parameter.grad is not None:
                             parameter.add_(parameter.grad, alpha=-lr)
@@ -170,10 +179,11 @@ def reference_fit(initial, pool: RecordingPool, recorder: MicroBatchRecorder, op
 
 
 # -- running both ------------------------------------------------------------------------------------
-def check_against_reference(options: dict, lr: float = LR, iterations: int = 2, perturb: bool = False, **shape):
+def check_against_reference(options: dict, lr: float = LR, iterations: int = 2, perturb: bool = False,
+                            max_grad_norm: float | None = None, norms: list | None = None, **shape):
     pool = RecordingPool(HFRolloutPool(num_workers=1, threads_per_worker=1, prompts_per_request=2, colocated_threads=1), perturb)
     module, datamodule = make_components(
-        pool=pool, task=DenseTask(seed=0), objective=GRPOObjective(**options), max_grad_norm=None,
+        pool=pool, task=DenseTask(seed=0), objective=GRPOObjective(**options), max_grad_norm=max_grad_norm,
         optimizer=functools.partial(torch.optim.SGD, lr=lr), **shape,
     )
     if perturb:
@@ -182,7 +192,7 @@ def check_against_reference(options: dict, lr: float = LR, iterations: int = 2, 
     recorder = MicroBatchRecorder()
     fit(module, datamodule, iterations, callbacks=[recorder])
     got = [*recorder.starts, policy_state(module)]
-    expected = reference_fit(initial, pool, recorder, options, lr, SAMPLING.temperature)
+    expected = reference_fit(initial, pool, recorder, options, lr, SAMPLING.temperature, max_grad_norm, norms)
     assert len(got) == len(expected) == iterations + 1
     moved = max(float((a - b).abs().max()) for a, b in zip(expected[-1].values(), expected[0].values()))
     assert moved > 1e-3, f"the reference barely moved the weights ({moved:.2g}): the comparison would prove nothing"
@@ -218,3 +228,13 @@ def test_kl_in_the_reward_comes_from_theta_k_group_by_group():
     recorder = check_against_reference(options, prompts=8, mini_batches=2, micro_batch_size=8)
     assert steps_and_sizes(recorder) == (4, {8})
     assert all(len({p for p, _ in samples}) == 2 for _, samples, _ in recorder.batches)  # two whole groups each
+
+
+def test_clipping_acts_on_the_normalised_gradient():
+    """The global norm is clipped after the gradient is divided by the mini-batch's normaliser (token-mean over
+    four micro-batches here): clipping the un-normalised sum would shrink every update by up to the normaliser.
+    The limit lies between the steps' norms, so some steps are clipped and some are not."""
+    norms: list[float] = []
+    options = {"loss_aggregation": "token-mean"}
+    check_against_reference(options, max_grad_norm=1.2, norms=norms, mini_batches=2, micro_batch_size=4)
+    assert len(norms) == 4 and min(norms) < 1.2 < max(norms), norms

@@ -256,6 +256,17 @@ class RolloutPool(ABC):
                 raise RuntimeError(
                     f"the {self.backend} pool returned samples {group.sample_indices} for prompt {group.prompt_id}; expected 0..{size - 1}"
                 )
+            if not len(group.completions) == len(group.logprobs) == len(group.finish_reasons) == size:
+                raise RuntimeError(
+                    f"the {self.backend} pool returned {len(group.completions)} completions, {len(group.logprobs)} log-prob lists "
+                    f"and {len(group.finish_reasons)} finish reasons for the {size} samples of prompt {group.prompt_id}"
+                )
+            for sample, tokens, logprobs in zip(group.sample_indices, group.completions, group.logprobs):
+                if len(tokens) != len(logprobs):  # a missing log-prob would be trained as 0.0 on a real token
+                    raise RuntimeError(
+                        f"the {self.backend} pool returned {len(logprobs)} log-probs for the {len(tokens)} tokens of prompt "
+                        f"{group.prompt_id} sample {sample}: one per token expected"
+                    )
             self._intervals = [(start, time.monotonic())]
             yield group
         if waiting:
