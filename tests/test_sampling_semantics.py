@@ -195,7 +195,8 @@ def test_a_stop_string_ends_a_sample_at_the_token_that_completes_it():
                 assert got_completions[k] == completion[: t + 1], f"prompt {prompt_id} sample {k}: {tokenizer.decode(got_completions[k])!r}"
                 assert got_reasons[k] == "stop"
                 cut_at.append((prompt_id, t))
-            assert got_logprobs[k] == logprobs[k][: len(got_completions[k])]
+            # the same draws; a batch that shrinks as groups stop computes in other shapes: float32 rounding apart
+            torch.testing.assert_close(got_logprobs[k], logprobs[k][: len(got_completions[k])], rtol=0, atol=1e-6)
     assert max(t for p, t in cut_at if p == 1) == 3 and max(t for p, t in cut_at if p != 1) > 3, cut_at
     assert any(r == "length" for _, _, reasons in stopped.values() for r in reasons)
 
