@@ -7,10 +7,16 @@ ARGS   ?=
 
 .PHONY: train test test-slow install clean
 
+# what training needs (lit_parl and its dependencies); nothing here compiles
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q "$(TORCH)"          # first, pinned: an unpinned torch pulls a multi-GB CUDA build
+	$(PY) -m pip install -q -e .
+	touch $@
+
+# and what the tests need (the dev extra)
+$(VENV)/.installed-dev: $(VENV)/.installed
 	$(PY) -m pip install -q -e ".[dev]"
 	touch $@
 
@@ -19,11 +25,11 @@ install: $(VENV)/.installed
 train: install
 	$(VENV)/bin/lit-parl $(ARGS)
 
-test: install
+test: $(VENV)/.installed-dev
 	$(PY) -m pytest -q -m "not slow" $(ARGS)
 
 # the multi-process strategy fits and the CLI's signal and wheel checks (several minutes): CI runs them after `make test`
-test-slow: install
+test-slow: $(VENV)/.installed-dev
 	$(PY) -m pytest -q -m slow $(ARGS)
 
 clean:
@@ -45,7 +51,7 @@ $(VLLM_VENV)/.installed: pyproject.toml
 	$(VLLM_PY) -m pip install -q "$(TORCH)"
 	$(VLLM_PY) -m pip install -q "$(VLLM)" -e ".[dev]"
 	$(VLLM_PY) -m pip uninstall -q -y torchvision torchaudio torchcodec
-	$(VLLM_PY) -c "import vllm.engine.arg_utils, lit_parl.rollout.vllm"   # a broken environment fails here, not in the tests
+	$(VLLM_PY) -c "import vllm.engine.arg_utils, lit_parl.rollout.vllm_pool"   # a broken environment fails here, not in the tests
 	touch $@
 
 test-vllm: $(VLLM_VENV)/.installed

@@ -29,11 +29,11 @@ from pathlib import Path
 
 import torch
 
-from lit_parl.model import tiny_qwen2
+from lit_parl.models.tiny_qwen2 import tiny_qwen2
 from lit_parl.rollout import PoolSpec
 from lit_parl.rollout.sglang import SGLangRolloutPool
 from lit_parl.tasks import CopyTask
-from lit_parl.trajectory import GroupRequest, SamplingParams, sample_seed
+from lit_parl.rollout.records import GroupRequest, SamplingParams, sample_seed
 
 from gpu_records import log
 

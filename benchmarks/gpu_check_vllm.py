@@ -33,11 +33,11 @@ def vllm_pool_check(out: Path, on_gpu: bool) -> dict:
 
     from lit_parl.kernels.forward import completion_logprobs
     from lit_parl.kernels.packing import pack
-    from lit_parl.model import tiny_qwen2
+    from lit_parl.models.tiny_qwen2 import tiny_qwen2
     from lit_parl.rollout import PoolSpec
-    from lit_parl.rollout.base import BF16_LOGPROB_TOLERANCE
+    from lit_parl.rollout.rollout_pool import BF16_LOGPROB_TOLERANCE
     from lit_parl.rollout.processes import descendants
-    from lit_parl.trajectory import GroupRequest, SamplingParams
+    from lit_parl.rollout.records import GroupRequest, SamplingParams
 
     device = torch.device("cuda" if on_gpu else "cpu")
     overrides = ["pool=vllm_gpu", "run_dir=unused"]

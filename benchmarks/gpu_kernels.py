@@ -120,7 +120,7 @@ def bfloat16_model(out: Path, device: torch.device, backend: str) -> None:
 
 def speed(out: Path, device: torch.device, backend: str, reps: int = 5) -> None:
     from lit_parl import GRPOModule, GRPOObjective, IterationShape
-    from lit_parl.trajectory import Trajectory, collate
+    from lit_parl.data.micro_batch import Trajectory, collate
 
     config = Qwen2Config(vocab_size=32000, hidden_size=512, intermediate_size=1536, num_hidden_layers=8, num_attention_heads=8,
                          num_key_value_heads=4, tie_word_embeddings=True, max_position_embeddings=8192)

@@ -57,7 +57,7 @@ def load_baseline(rev: str):
 
 
 def micro_batch(rng: random.Random, prompt_len: tuple[int, int], groups: int = 8, group_size: int = 8):
-    from lit_parl.trajectory import Trajectory
+    from lit_parl.data.micro_batch import Trajectory
 
     out = []
     for g in range(groups):
@@ -100,7 +100,7 @@ def best_of(fns: dict, reps: int) -> dict:
 
 def side_by_side(rev: str, reps: int) -> None:
     from lit_parl.kernels.packing import pack
-    from lit_parl.trajectory import collate
+    from lit_parl.data.micro_batch import collate
 
     old_pack, old_collate, old_sample = load_baseline(rev)
     torch.set_num_threads(1)  # the trainer's and the worker's thread count in the default job
@@ -127,10 +127,10 @@ def side_by_side(rev: str, reps: int) -> None:
 
 def sampling_side_by_side(old_sample, reps: int) -> None:
     """The worker's ``sample_groups`` on the default model and chunk (8 prompts x 8 samples, 6 new tokens)."""
-    from lit_parl.model import tiny_qwen2
+    from lit_parl.models.tiny_qwen2 import tiny_qwen2
     from lit_parl.rollout.sampling import sample_groups
     from lit_parl.tasks import CopyTask
-    from lit_parl.trajectory import GroupRequest, SamplingParams, sample_seed
+    from lit_parl.rollout.records import GroupRequest, SamplingParams, sample_seed
 
     model, tok = tiny_qwen2(hidden_size=128, intermediate_size=512)  # conf/model/tiny_qwen2.yaml
     model.eval()

@@ -56,12 +56,12 @@ import torch
 from transformers import AutoModelForCausalLM, Qwen2Config
 from transformers.utils import logging as transformers_logging
 
-from lit_parl.data.model_dir import InitialModelDir
+from lit_parl.data.initial_model_dir import InitialModelDir
 from lit_parl.kernels.forward import completion_logprobs
 from lit_parl.rollout import HFRolloutPool, PoolSpec
-from lit_parl.rollout.hf import HFEngine
-from lit_parl.tokenizer import build_char_tokenizer
-from lit_parl.trajectory import Trajectory, collate
+from lit_parl.rollout.hf_pool import HFEngine
+from lit_parl.models.char_tokenizer import build_char_tokenizer
+from lit_parl.data.micro_batch import Trajectory, collate
 
 VOCAB = 151_936  # Qwen2's
 SIZES = {

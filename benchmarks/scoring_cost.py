@@ -18,12 +18,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from reward_fns import positional_text  # noqa: E402
 
-from lit_parl.data.schedule import PromptSchedule  # noqa: E402
-from lit_parl.data.scoring import GroupScorer  # noqa: E402
+from lit_parl.data.prompt_schedule import PromptSchedule  # noqa: E402
+from lit_parl.data.group_scorer import GroupScorer  # noqa: E402
 from lit_parl.rewards import Reward  # noqa: E402
 from lit_parl.tasks import CopyTask, positional_reward  # noqa: E402
-from lit_parl.tokenizer import build_char_tokenizer  # noqa: E402
-from lit_parl.trajectory import GroupCompletions  # noqa: E402
+from lit_parl.models.char_tokenizer import build_char_tokenizer  # noqa: E402
+from lit_parl.rollout.records import GroupCompletions  # noqa: E402
 
 
 def main() -> None:

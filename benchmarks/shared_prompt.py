@@ -27,7 +27,7 @@ import torch
 from transformers import AutoModelForCausalLM, Qwen2Config
 
 from lit_parl import GRPOModule, GRPOObjective, IterationShape
-from lit_parl.trajectory import Trajectory, collate
+from lit_parl.data.micro_batch import Trajectory, collate
 
 MODELS = {
     # the embedded default's size

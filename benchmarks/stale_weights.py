@@ -21,7 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
 from conftest import KeepsFirstWeights, fit, make_components  # noqa: E402 - the tests' tiny job and stale pool
 
-from lit_parl.guards import logprob_mismatch, worst_group_mismatch  # noqa: E402
+from lit_parl.trainer.guards import logprob_mismatch, worst_group_mismatch  # noqa: E402
 from lit_parl.rollout import HFRolloutPool  # noqa: E402
 
 

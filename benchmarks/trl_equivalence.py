@@ -39,10 +39,10 @@ def main() -> None:
     from trl import GRPOConfig, GRPOTrainer
 
     from lit_parl.kernels.forward import completion_logprobs
-    from lit_parl.model import tiny_qwen2
-    from lit_parl.objectives import GRPOObjective
+    from lit_parl.models.tiny_qwen2 import tiny_qwen2
+    from lit_parl.trainer.grpo_objective import GRPOObjective
     from lit_parl.tasks import CopyTask, positional_reward
-    from lit_parl.trajectory import Trajectory, collate
+    from lit_parl.data.micro_batch import Trajectory, collate
 
     torch.manual_seed(args.seed)
     model, tokenizer = tiny_qwen2(hidden_size=128, intermediate_size=512, seed=args.seed)

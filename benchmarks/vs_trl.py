@@ -13,7 +13,7 @@ Workloads:
   b  the same with a shared preamble of ``--preamble-chars`` (200) characters, one token each, before every
      prompt (``benchmarks/vs_trl_task.py``), so every prompt is ~200 tokens long.
 
-Models (``--models``, default all three): random Qwen2 models built by ``lit_parl.model.tiny_qwen2`` with the
+Models (``--models``, default all three): random Qwen2 models built by ``lit_parl.models.tiny_qwen2.tiny_qwen2`` with the
 project's character tokenizer. 4 attention heads, as many KV heads, MLP width 4x the hidden size, tied
 embeddings:
   h64     hidden 64, 2 layers (tiny_qwen2's defaults)
@@ -119,7 +119,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 BENCH = ROOT / "benchmarks"
 
-# lit_parl.model.tiny_qwen2 arguments: 4 heads (= KV heads) and an MLP 4x the hidden size at every size, as
+# lit_parl.models.tiny_qwen2.tiny_qwen2 arguments: 4 heads (= KV heads) and an MLP 4x the hidden size at every size, as
 # tiny_qwen2's defaults (h64) and conf/model/tiny_qwen2.yaml (h128, the default job) have them
 MODELS = {
     "h64": dict(hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=4, intermediate_size=256),
@@ -205,7 +205,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def save_model(directory: Path, model: str, seed: int) -> None:
-    from lit_parl.model import tiny_qwen2
+    from lit_parl.models.tiny_qwen2 import tiny_qwen2
 
     policy, tokenizer = tiny_qwen2(**MODELS[model], seed=seed)
     policy.save_pretrained(directory)

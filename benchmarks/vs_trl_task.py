@@ -24,7 +24,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from lit_parl.tasks import CopyTask
-from lit_parl.tokenizer import CHARACTERS
+from lit_parl.models.char_tokenizer import CHARACTERS
 
 # Only characters of lit_parl's character tokenizer, and no "=" (it marks the end of the digits).
 INSTRUCTION = (

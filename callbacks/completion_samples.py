@@ -125,7 +125,7 @@ class CompletionSamples(Callback):
         if getattr(batch, "pass_index", 0) != 0:
             return
         if not self._checked:
-            fix = "Train on batches with a `trajectories` list of per-sample records, such as lit_parl.trajectory.MicroBatch."
+            fix = "Train on batches with a `trajectories` list of per-sample records, such as lit_parl.data.micro_batch.MicroBatch."
             require(batch, SampleBatch, owner="CompletionSamples", role="each training batch", fix=fix)
             if batch.trajectories:
                 require(batch.trajectories[0], SampleRecord, owner="CompletionSamples", role="each record of a batch's `trajectories`", fix=fix)

@@ -123,7 +123,7 @@ class SavesPretrained(Protocol):
 
 @runtime_checkable
 class IterationRecord(Protocol):
-    """One iteration's rollout side, as ``lit_parl.data.stats.IterationStats`` records it."""
+    """One iteration's rollout side, as ``lit_parl.data.iteration_stats.IterationStats`` records it."""
 
     version: int
     requested_at: float  # monotonic time of the iteration's first request
@@ -179,7 +179,7 @@ class HasTokenizer(Protocol):
 
 @runtime_checkable
 class SampleRecord(Protocol):
-    """One trained sample, as ``lit_parl.trajectory.Trajectory`` records it."""
+    """One trained sample, as ``lit_parl.data.micro_batch.Trajectory`` records it."""
 
     prompt_id: int
     sample_index: int
@@ -196,7 +196,7 @@ class SampleRecord(Protocol):
 
 @runtime_checkable
 class SampleBatch(Protocol):
-    """A training batch that carries the samples it was built from (``lit_parl.trajectory.MicroBatch``).
+    """A training batch that carries the samples it was built from (``lit_parl.data.micro_batch.MicroBatch``).
 
     A batch may also have ``pass_index``: 0 on the first pass over an iteration's samples, more when later
     passes train on the same samples again (none: every batch is a first pass).

@@ -56,5 +56,5 @@ def new_record(trainer: Trainer, last_record: Any, owner: str, left_out_of: str)
                        f"{type(trainer.datamodule).__name__}.history; it is left out of the {left_out_of}.")
         return None
     require(record, IterationRecord, owner=owner, role="each record of the datamodule's `history`",
-            fix="Append records with the fields of lit_parl.callbacks.IterationRecord (lit_parl.data.stats.IterationStats has them).")
+            fix="Append records with the fields of lit_parl.callbacks.IterationRecord (lit_parl.data.iteration_stats.IterationStats has them).")
     return record

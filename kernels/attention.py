@@ -28,7 +28,7 @@ compute with an error naming the fix; ``auto`` (``resolve_backend`` with the dty
 Example::
 
     >>> from lit_parl.kernels.packing import pack
-    >>> from lit_parl.model import tiny_qwen2
+    >>> from lit_parl.models import tiny_qwen2
     >>> model, _ = tiny_qwen2()
     >>> batch = pack([([4, 5, 41], [[6, 1], [7, 8, 1]])], pad_id=0, shared_prompt=True)
     >>> with use_shared_prompt_attention(model):

@@ -20,9 +20,9 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from omegaconf import DictConfig
 
 from lit_parl.callbacks import RunSummary
-from lit_parl.datamodule import RolloutDataModule
+from lit_parl.data.rollout_datamodule import RolloutDataModule
 from lit_parl.kernels.attention import resolve_backend
-from lit_parl.module import GRPOModule
+from lit_parl.trainer.grpo_module import GRPOModule
 
 # loggers whose packages are extras: the import error names the extra to install
 _LOGGER_EXTRAS = {"TensorBoardLogger": "tensorboard", "WandbLogger": "wandb", "MLFlowLogger": "mlflow"}

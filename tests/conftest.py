@@ -18,7 +18,7 @@ from lit_parl.callbacks import WeightSync
 from lit_parl.rollout import HFRolloutPool, PoolSpec, RolloutPool
 from lit_parl.rewards import Reward
 from lit_parl.tasks import CopyTask
-from lit_parl.trajectory import GroupCompletions, GroupRequest, SamplingParams
+from lit_parl.rollout.records import GroupCompletions, GroupRequest, SamplingParams
 
 SAMPLING = SamplingParams(max_new_tokens=6, temperature=1.0)
 

@@ -59,7 +59,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from lit_parl.rollout.sampling import sample_groups
 from lit_parl.rollout.weight_transfer import deserialize_named_tensors, init_weight_update_group
-from lit_parl.trajectory import GroupRequest, SamplingParams
+from lit_parl.rollout.records import GroupRequest, SamplingParams
 from sglang_requests import SGLANG_SAMPLING_PARAMS, body_problem, generate_problem  # noqa: F401 - the contract tests read the set here
 
 

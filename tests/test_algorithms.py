@@ -15,10 +15,10 @@ from lightning.pytorch import Callback
 
 from lit_parl import GRPOModule, GRPOObjective, IterationShape, Packing, RolloutDataModule, tiny_qwen2
 from lit_parl.callbacks import WeightSync
-from lit_parl.objectives import LOSS_AGGREGATIONS
+from lit_parl.trainer.grpo_objective import LOSS_AGGREGATIONS
 from lit_parl.rollout import RolloutPool
 from lit_parl.tasks import CopyTask
-from lit_parl.trajectory import GroupCompletions, SamplingParams
+from lit_parl.rollout.records import GroupCompletions, SamplingParams
 
 PROMPTS, G, MAX_NEW = 8, 4, 6
 LR = 0.5

@@ -15,11 +15,12 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from lit_parl import GRPOModule, GRPOObjective, IterationShape, tiny_qwen2
 from lit_parl.kernels import token_logprobs
-from lit_parl.objectives import LOSS_AGGREGATIONS
+from lit_parl.trainer.grpo_objective import LOSS_AGGREGATIONS
 from lit_parl.rollout.sampling import filter_logits, sample_groups
 from lit_parl.tasks import CopyTask, ReverseTask, positional_reward
-from lit_parl.tokenizer import CHARACTERS, SPECIAL_TOKENS, build_char_tokenizer
-from lit_parl.trajectory import GroupRequest, SamplingParams, Trajectory, collate, sample_seed
+from lit_parl.models.char_tokenizer import CHARACTERS, SPECIAL_TOKENS, build_char_tokenizer
+from lit_parl.rollout.records import GroupRequest, SamplingParams, sample_seed
+from lit_parl.data.micro_batch import Trajectory, collate
 
 SHAPE = IterationShape(prompts=1, group_size=4, micro_batch_size=4)
 

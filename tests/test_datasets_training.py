@@ -12,7 +12,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 
 from conftest import BatchRecorder, InProcessPool, make_components
 from lit_parl.callbacks import WeightSync
-from lit_parl.prompt_files import DatasetPrompts
+from lit_parl.prompts.dataset_prompts import DatasetPrompts
 from lit_parl.rewards import Reward
 
 ROWS = [{"prompt": f"{n}{n + 1}=", "answer": f"{n}{n + 1}", "level": n % 3} for n in range(1, 7)]  # 6 rows

@@ -10,7 +10,7 @@ import torch
 from lightning.pytorch import Callback
 
 from conftest import BatchRecorder, InProcessPool, WrappedPool, fit, make_components, policy_state, sgd
-from lit_parl.data.evaluation import EvalSettings
+from lit_parl.data.evaluator import EvalSettings
 from lit_parl.rewards import Reward
 from lit_parl.tasks import CopyTask
 

@@ -1,4 +1,4 @@
-"""The trainer's runtime checks (lit_parl/guards.py) on real fits: samples of other weights, and NaN.
+"""The trainer's runtime checks (lit_parl/trainer/guards.py) on real fits: samples of other weights, and NaN.
 
 The version labels say which weights a worker claims it held; only the log-probs show which it used. A
 pool that keeps old weights while reporting each new version passes every label check, so the run must
@@ -12,9 +12,9 @@ import torch
 from lightning.pytorch import Callback
 
 from lit_parl import OffPolicyError, RolloutDataModule
-from lit_parl.guards import NonFiniteGuard
+from lit_parl.trainer.guards import NonFiniteGuard
 from lit_parl.rollout import HFRolloutPool
-from lit_parl.rollout.base import BF16_LOGPROB_TOLERANCE
+from lit_parl.rollout.rollout_pool import BF16_LOGPROB_TOLERANCE
 from lit_parl.rewards import RewardError
 from lit_parl.tasks import CopyTask, positional_reward
 

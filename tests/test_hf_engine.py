@@ -7,10 +7,10 @@ import tempfile
 
 import torch
 
-from lit_parl.model import tiny_qwen2
-from lit_parl.rollout.hf import HFEngine
+from lit_parl.models.tiny_qwen2 import tiny_qwen2
+from lit_parl.rollout.hf_pool import HFEngine
 from lit_parl.rollout.sampling import sample_groups
-from lit_parl.trajectory import GroupRequest, SamplingParams
+from lit_parl.rollout.records import GroupRequest, SamplingParams
 
 
 def _engine_and_policy():

@@ -340,7 +340,7 @@ def test_all_equal_rewards_give_zero_advantage_and_no_update():
 
 def test_a_zero_advantage_group_contributes_no_gradient():
     """Invariant check at the loss level: the gradient of a zero-advantage group is exactly zero."""
-    from lit_parl.trajectory import Trajectory, collate
+    from lit_parl.data.micro_batch import Trajectory, collate
 
     module, data = make_components()
     rewards = torch.full((4,), 2 / 3)

@@ -1,14 +1,14 @@
-"""Static limits fail when the objects are built, before any engine process starts (lit_parl/limits.py)."""
+"""Static limits fail when the objects are built, before any engine process starts (lit_parl/models/limits.py)."""
 
 from __future__ import annotations
 
 import pytest
 
 from lit_parl import GRPOModule, GRPOObjective, IterationShape, RolloutDataModule, tiny_qwen2
-from lit_parl.limits import micro_batch_bytes
+from lit_parl.models.limits import micro_batch_bytes
 from lit_parl.rollout import HFRolloutPool
 from lit_parl.tasks import CopyTask, positional_reward
-from lit_parl.trajectory import SamplingParams
+from lit_parl.rollout.records import SamplingParams
 
 
 def _datamodule(pool, max_new_tokens: int) -> RolloutDataModule:
@@ -61,7 +61,7 @@ def test_the_estimate_grows_with_the_micro_batch_and_the_chunk():
 def test_the_vllm_pool_checks_its_settings_without_starting_an_engine():
     """Constructor-level: nothing of vLLM is imported or started (this runs in the main environment)."""
     from lit_parl.rollout import VLLMRolloutPool
-    from lit_parl.rollout.base import BF16_LOGPROB_TOLERANCE, FP32_LOGPROB_TOLERANCE
+    from lit_parl.rollout.rollout_pool import BF16_LOGPROB_TOLERANCE, FP32_LOGPROB_TOLERANCE
 
     _datamodule(VLLMRolloutPool(max_model_len=8), max_new_tokens=7)
     with pytest.raises(ValueError, match=r"VLLMRolloutPool\(max_model_len=8\) cannot hold a prompt and sampling.max_new_tokens=8"):

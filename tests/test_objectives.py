@@ -1,4 +1,4 @@
-"""The GRPO family (``lit_parl.objectives``) against hand derivations and a plain-Python reference.
+"""The GRPO family (``lit_parl.trainer.grpo_objective``) against hand derivations and a plain-Python reference.
 
 Every expected value below comes from the formulas of ``GRPOObjective``'s docstring, written out again
 here as loops over samples and tokens in Python floats (float64): ``reference_objective`` for the loss
@@ -23,8 +23,8 @@ from hydra import compose, initialize_config_module
 
 from lit_parl import GRPOModule, GRPOObjective, IterationShape, tiny_qwen2
 from lit_parl.kernels.logprobs import linear_token_logprobs
-from lit_parl.objectives import LOSS_AGGREGATIONS, kl_estimate
-from lit_parl.trajectory import Trajectory, collate
+from lit_parl.trainer.grpo_objective import LOSS_AGGREGATIONS, kl_estimate
+from lit_parl.data.micro_batch import Trajectory, collate
 
 F64 = torch.float64
 TIGHT = dict(rtol=1e-9, atol=1e-12)  # float64 reference vs float64 torch: only rounding order differs
@@ -503,7 +503,7 @@ def test_overlong_shaping_by_hand(buffer, penalty):
 
 def test_the_acceptor_shapes_rewards_then_computes_advantages():
     from lit_parl.data import GroupAcceptor
-    from lit_parl.trajectory import Group, GroupRequest
+    from lit_parl.rollout.records import Group, GroupRequest
 
     acceptor = GroupAcceptor(GRPOObjective(overlong_buffer=2, overlong_penalty=0.5, scale_rewards=False), group_size=4, max_new_tokens=6)
     rewards, lengths, truncated = [1.0, 1.0, 0.0, 1.0], [3, 5, 4, 6], [False, False, False, True]

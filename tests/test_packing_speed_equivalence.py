@@ -19,10 +19,11 @@ import torch
 from transformers import DynamicCache, PreTrainedModel
 
 from lit_parl.kernels.packing import GroupTokens, PackedTokens, SegmentBucket, SharedPromptLayout, pack
-from lit_parl.model import tiny_qwen2
+from lit_parl.models.tiny_qwen2 import tiny_qwen2
 from lit_parl.rollout import sampling as sampling_module
 from lit_parl.rollout.sampling import SampledGroup, _cache_keyword, filter_logits, sample_groups
-from lit_parl.trajectory import GroupRequest, SamplingParams, Trajectory, collate, sample_seed
+from lit_parl.rollout.records import GroupRequest, SamplingParams, sample_seed
+from lit_parl.data.micro_batch import Trajectory, collate
 
 
 # ------------------------------------------------------------------------------------------------------

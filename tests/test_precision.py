@@ -29,9 +29,9 @@ from lit_parl.kernels import attention as attention_module
 from lit_parl.kernels.attention import resolve_backend
 from lit_parl.kernels.forward import completion_logprobs
 from lit_parl.kernels.packing import pack
-from lit_parl.model import tiny_qwen2
-from lit_parl.precision import enable_checkpointing
-from lit_parl.trajectory import Packing
+from lit_parl.models.tiny_qwen2 import tiny_qwen2
+from lit_parl.trainer.precision import enable_checkpointing
+from lit_parl.data.micro_batch import Packing
 
 
 # ------------------------------------------------------------------------------------------------------
@@ -257,7 +257,9 @@ def test_checkpointing_composes_with_fsdp2_and_fsdp1_wrapping_on_one_rank():
     from torch.distributed.fsdp import FullyShardedDataParallel
     from torch.distributed.fsdp.wrap import enable_wrap
 
-    from lit_parl.sharding import forward_through, shard_for_logprobs, wrap_for_fsdp1
+    from lit_parl.trainer.strategies.fsdp1 import wrap_for_fsdp1
+    from lit_parl.trainer.strategies.fsdp2 import shard_for_logprobs
+    from lit_parl.trainer.strategies.strategy_adapter import forward_through
 
     tokens = micro_batch(True)
     expected_logp, expected, _ = logprobs_and_gradients(tiny_qwen2(seed=0)[0].train(), tokens)

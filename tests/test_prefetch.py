@@ -119,7 +119,7 @@ def test_a_failing_step_stops_the_prefetch_thread_while_it_waits_for_groups(scor
 
 
 def test_closing_the_consumer_stops_the_prefetch_thread_between_items():
-    from lit_parl.data.prefetch import prefetched
+    from lit_parl.data.head_start import prefetched
 
     def endless():  # a producer that never ends by itself: only the stop flag ends the thread
         while True:
@@ -136,7 +136,7 @@ def test_closing_the_consumer_stops_the_prefetch_thread_between_items():
 
 
 def test_an_error_in_the_prefetch_thread_is_raised_in_the_consumer():
-    from lit_parl.data.prefetch import prefetched
+    from lit_parl.data.head_start import prefetched
 
     def failing():
         yield 1

@@ -12,8 +12,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from lit_parl.prompt_files import DatasetPrompts, DatasetRows
-from lit_parl.prompts import PromptSource
+from lit_parl.prompts.dataset_prompts import DatasetPrompts, DatasetRows
+from lit_parl.prompts.prompt_row import PromptSource
 
 RECORDS = [{"prompt": f"question {i}?", "answer": str(i * 2), "level": i % 3, "tags": [f"t{i}"]} for i in range(10)]
 

@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import pytest
 
-from lit_parl.chat import PromptFormat
-from lit_parl.data.schedule import PromptSchedule
-from lit_parl.prompts import PromptRow
-from lit_parl.tokenizer import build_char_tokenizer
+from lit_parl.prompts.prompt_format import PromptFormat
+from lit_parl.data.prompt_schedule import PromptSchedule
+from lit_parl.prompts.prompt_row import PromptRow
+from lit_parl.models.char_tokenizer import build_char_tokenizer
 
 TOKENIZER = build_char_tokenizer()
 CHAT_TEMPLATE = "{% for m in messages %}{{ m['role'][0] }}:{{ m['content'] }};{% endfor %}{% if add_generation_prompt %}a:{% endif %}"

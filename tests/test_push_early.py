@@ -13,7 +13,7 @@ from lightning.pytorch import Callback
 
 from conftest import BatchRecorder, InProcessPool, WrappedPool, fit, make_components, policy_state, sgd
 from lit_parl.callbacks import WeightSync
-from lit_parl.data.prefetch import HeadStart
+from lit_parl.data.head_start import HeadStart
 from lit_parl.rollout import HFRolloutPool
 
 SLOW_EPOCH_END_S = 0.3
@@ -106,7 +106,7 @@ def test_an_iteration_started_for_a_fit_that_then_stops_is_discarded_unbooked(in
     assert 2 in pool.times("request")
     # iteration 2 never trained: not booked, its prompts not consumed, its version not the gate's last
     assert data.iterations_done == 2 and data.schedule.cursor == 4 and data.gate.last_version == 1
-    assert data._started is None and not data.gate._event.is_set()
+    assert data.start.pending is None and not data.gate._event.is_set()
     assert not [t for t in threading.enumerate() if t.name.startswith("lit_parl-iteration-")]
     assert not pool.health().started  # closed with the fit
 

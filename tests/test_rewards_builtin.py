@@ -13,7 +13,7 @@ from fractions import Fraction
 import pytest
 from omegaconf import OmegaConf
 
-from lit_parl.prompts import PromptSource
+from lit_parl.prompts.prompt_row import PromptSource
 from lit_parl.rewards import Reward
 from lit_parl.rewards import math_answers as math_rewards
 from lit_parl.rewards.format import answer_tag, tag_format_reward

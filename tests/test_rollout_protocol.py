@@ -8,7 +8,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from lit_parl.rollout import PoolHealth, PoolSpec, RolloutPool
-from lit_parl.trajectory import GroupCompletions, GroupRequest, SamplingParams
+from lit_parl.rollout.records import GroupCompletions, GroupRequest, SamplingParams
 
 from conftest import fit, make_components
 

@@ -25,10 +25,10 @@ import torch
 
 from lit_parl.kernels.forward import completion_logprobs
 from lit_parl.kernels.packing import pack
-from lit_parl.model import tiny_qwen2
+from lit_parl.models.tiny_qwen2 import tiny_qwen2
 from lit_parl.rollout.sampling import sample_groups
 from lit_parl.rollout.stop_strings import StopStrings
-from lit_parl.trajectory import GroupRequest, SamplingParams
+from lit_parl.rollout.records import GroupRequest, SamplingParams
 
 TEMPERATURE, TOP_K, TOP_P = 0.7, 6, 0.8
 

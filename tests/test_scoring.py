@@ -9,12 +9,12 @@ import time
 
 import pytest
 
-from lit_parl.data.schedule import PromptSchedule
-from lit_parl.data.scoring import GroupScorer
+from lit_parl.data.prompt_schedule import PromptSchedule
+from lit_parl.data.group_scorer import GroupScorer
 from lit_parl.rewards import Reward, RewardError
 from lit_parl.tasks import CopyTask, positional_reward
-from lit_parl.tokenizer import build_char_tokenizer
-from lit_parl.trajectory import GroupCompletions
+from lit_parl.models.char_tokenizer import build_char_tokenizer
+from lit_parl.rollout.records import GroupCompletions
 
 TOKENIZER = build_char_tokenizer()
 EOS = TOKENIZER.eos_token_id

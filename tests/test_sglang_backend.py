@@ -20,14 +20,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from lit_parl.model import tiny_qwen2
+from lit_parl.models.tiny_qwen2 import tiny_qwen2
 from lit_parl.rollout import PoolSpec
 from lit_parl.rollout.sglang import MalformedResponse, SGLangRolloutPool
 from lit_parl.rollout.sampling import sample_groups
 from lit_parl.rollout.sglang.messages import Ends, parse_group
 from lit_parl.rollout.sglang.servers import server_command
 from lit_parl.tasks import CopyTask
-from lit_parl.trajectory import GroupCompletions, GroupRequest, SamplingParams, sample_seed
+from lit_parl.rollout.records import GroupCompletions, GroupRequest, SamplingParams, sample_seed
 from test_sampling_semantics import argmax_loop, filtered_distribution, stop_strings_for
 
 pytest.importorskip("aiohttp")

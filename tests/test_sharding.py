@@ -12,9 +12,9 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
 from lit_parl.kernels.forward import completion_logprobs
-from lit_parl.model import tiny_qwen2
-from lit_parl.sharding import shard_for_logprobs
-from lit_parl.trajectory import Trajectory, collate
+from lit_parl.models.tiny_qwen2 import tiny_qwen2
+from lit_parl.trainer.strategies.fsdp2 import shard_for_logprobs
+from lit_parl.data.micro_batch import Trajectory, collate
 
 
 @pytest.fixture
@@ -60,10 +60,10 @@ def test_the_strategy_settings_lit_parl_cannot_run_under_are_refused_with_the_on
     from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy, FSDPStrategy, ModelParallelStrategy
     from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 
-    from lit_parl.parallel import prepare_strategy
+    from lit_parl.trainer.strategies import adapter_for
 
     def prepare(strategy, max_grad_norm=1.0):
-        prepare_strategy(strategy, max_grad_norm, micro_batch_size=4)
+        adapter_for(strategy).prepare(max_grad_norm, micro_batch_size=4)
         return strategy
 
     with pytest.raises(ValueError, match=r"use_orig_params=False.*default"):
@@ -110,7 +110,7 @@ def test_every_strategy_preset_builds_its_strategy_and_passes_the_module_checks(
     from hydra import compose, initialize_config_module
     from hydra.utils import instantiate
 
-    from lit_parl.parallel import prepare_strategy
+    from lit_parl.trainer.strategies import adapter_for
 
     with initialize_config_module(config_module="lit_parl.conf", version_base="1.3"):
         cfg = compose(config_name="config", overrides=[f"trainer={preset}"])
@@ -120,4 +120,4 @@ def test_every_strategy_preset_builds_its_strategy_and_passes_the_module_checks(
         assert strategy._state_dict_type == expected["state_dict_type"]
     if "stage" in expected:
         assert strategy.config["zero_optimization"]["stage"] == expected["stage"]
-    prepare_strategy(strategy, max_grad_norm=1.0, micro_batch_size=4)
+    adapter_for(strategy).prepare(max_grad_norm=1.0, micro_batch_size=4)

@@ -6,7 +6,7 @@ optimizer steps at the same mini-batch boundaries from a copy of the initial pol
 long way: one unpacked forward per sample, the loss per token from the formulas (clipped ratio, the
 truncated importance weight, the KL estimators, the entropy of softmax(logits / T), the aggregation
 and its normaliser over the whole mini-batch), group advantages from the rewards. It calls neither
-``lit_parl.objectives`` nor ``lit_parl.kernels``, so the comparison is not equal by construction.
+``lit_parl.trainer.grpo_objective`` nor ``lit_parl.kernels``, so the comparison is not equal by construction.
 
 Tolerance: atol 1e-6, rtol 1e-5 on every parameter. Packed and per-sample float32 forwards differ
 only in summation order: about 1e-7 on the weights after two iterations at ``LR`` (measured). At that

@@ -1,4 +1,4 @@
-"""Faults the spawned-worker pools survive with nothing lost (``lit_parl/rollout/workers.py``).
+"""Faults the spawned-worker pools survive with nothing lost (``lit_parl/rollout/spawned_worker_pool.py``).
 
 A worker killed from outside, one that exits in the middle of a batch, and one that hangs are replaced
 by a new process holding the iteration's weights, and their unfinished pieces of work are sent again
@@ -22,10 +22,10 @@ import torch
 from lightning.pytorch import Callback
 
 from lit_parl.rollout import HFRolloutPool, PoolSpec
-from lit_parl.rollout.hf import HFEngine
+from lit_parl.rollout.hf_pool import HFEngine
 from lit_parl.rollout.processes import process_table
-from lit_parl.rollout.workers import SpawnedWorkerPool
-from lit_parl.trajectory import GroupCompletions, GroupRequest, SamplingParams
+from lit_parl.rollout.spawned_worker_pool import SpawnedWorkerPool
+from lit_parl.rollout.records import GroupCompletions, GroupRequest, SamplingParams
 
 from conftest import WrappedPool, fit, make_components, policy_state
 

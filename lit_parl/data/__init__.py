@@ -1,13 +1,14 @@
 """The trainer's data path, one part per job (see docs/design.md): ``IterationShape``, ``PromptSchedule``,
 ``VersionGate``, ``GroupScorer``, ``GroupAcceptor``, ``IterationBatcher``, ``IterationStats``."""
 
-from lit_parl.data.acceptor import Advantages, GroupAcceptor
-from lit_parl.data.batcher import IterationBatcher
-from lit_parl.data.gate import OffPolicyError, VersionGate
-from lit_parl.data.schedule import PromptSchedule
-from lit_parl.data.scoring import GroupScorer
-from lit_parl.data.shape import IterationShape
-from lit_parl.data.stats import IterationStats
+from lit_parl.data.group_acceptor import Advantages, GroupAcceptor
+from lit_parl.data.iteration_batcher import IterationBatcher
+from lit_parl.errors import OffPolicyError
+from lit_parl.data.version_gate import VersionGate
+from lit_parl.data.prompt_schedule import PromptSchedule
+from lit_parl.data.group_scorer import GroupScorer
+from lit_parl.data.iteration_shape import IterationShape
+from lit_parl.data.iteration_stats import IterationStats
 
 __all__ = [
     "Advantages",

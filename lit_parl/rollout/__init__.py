@@ -1,5 +1,5 @@
-from lit_parl.rollout.base import PoolHealth, PoolSpec, RolloutPool
-from lit_parl.rollout.hf import HFRolloutPool
+from lit_parl.rollout.rollout_pool import PoolHealth, PoolSpec, RolloutPool
+from lit_parl.rollout.hf_pool import HFRolloutPool
 from lit_parl.rollout.sglang import SGLangRolloutPool
 
 __all__ = ["HFRolloutPool", "PoolHealth", "PoolSpec", "RolloutPool", "SGLangRolloutPool", "VLLMRolloutPool"]
@@ -8,7 +8,7 @@ __all__ = ["HFRolloutPool", "PoolHealth", "PoolSpec", "RolloutPool", "SGLangRoll
 def __getattr__(name: str):
     # lazy, so that importing lit_parl.rollout never depends on the optional vLLM backend
     if name == "VLLMRolloutPool":
-        from lit_parl.rollout.vllm import VLLMRolloutPool
+        from lit_parl.rollout.vllm_pool import VLLMRolloutPool
 
         return VLLMRolloutPool
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

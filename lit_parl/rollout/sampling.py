@@ -30,7 +30,7 @@ import torch
 from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
 
 from lit_parl.rollout.stop_strings import StopStrings
-from lit_parl.trajectory import GroupRequest, SamplingParams
+from lit_parl.rollout.records import GroupRequest, SamplingParams
 
 
 @dataclass

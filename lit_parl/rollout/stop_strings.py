@@ -13,7 +13,7 @@ completion at every step instead (slower, the same matches).
 
 Example::
 
-    >>> from lit_parl.model import tiny_qwen2
+    >>> from lit_parl.models import tiny_qwen2
     >>> _, tokenizer = tiny_qwen2()
     >>> matcher = StopStrings(tokenizer, ("b c", "zz"), rows=2)
     >>> ids = tokenizer(["ab c", "xyzz"], add_special_tokens=False).input_ids

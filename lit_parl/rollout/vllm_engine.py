@@ -1,7 +1,7 @@
 """The vLLM engine inside one ``vllm`` worker process: building it, loading weights, sampling groups.
 
 Everything here runs in the spawned worker (``lit_parl.rollout.worker_loop.serve``), never in the trainer's
-process; vLLM is imported only there. See ``lit_parl.rollout.vllm`` for the design.
+process; vLLM is imported only there. See ``lit_parl.rollout.vllm_pool`` for the design.
 
 Log-probs: the trainer's are log_softmax(logits / T) over the whole vocabulary, and the sampled tokens'
 must be the same, whatever top-k/top-p the engine draws with. No vLLM ``logprobs_mode`` is that:
@@ -66,7 +66,7 @@ from collections.abc import Iterator
 import torch
 
 from lit_parl.rollout.processes import die_with_parent
-from lit_parl.trajectory import GroupCompletions, GroupRequest, SamplingParams
+from lit_parl.rollout.records import GroupCompletions, GroupRequest, SamplingParams
 
 EXTENSION = "lit_parl.rollout.vllm_engine.VLLMWorkerExtension"
 # log-softmax of the logits the model returns, before the sampler's temperature and top-k/top-p; with

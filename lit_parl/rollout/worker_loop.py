@@ -1,6 +1,6 @@
 """A rollout worker's side: its whole life in one loop, ``serve``, around the engine of its backend.
 
-The messages and the restarts are described in ``lit_parl.rollout.workers`` (the trainer's side). Here
+The messages and the restarts are described in ``lit_parl.rollout.spawned_worker_pool`` (the trainer's side). Here
 run only the worker process's parts: build the engine, hold the shared tensors and the version, answer
 the inbox on the worker's own results pipe, and refuse requests for any version it does not hold.
 """
@@ -18,7 +18,7 @@ from typing import Protocol
 import torch
 
 from lit_parl.rollout.processes import Outbox, die_with_parent
-from lit_parl.trajectory import GroupCompletions, GroupRequest, SamplingParams
+from lit_parl.rollout.records import GroupCompletions, GroupRequest, SamplingParams
 
 
 class WorkerEngine(Protocol):

@@ -35,7 +35,7 @@ from dataclasses import dataclass
 from fractions import Fraction
 from typing import Any
 
-from lit_parl.prompts import PromptRow
+from lit_parl.prompts.prompt_row import PromptRow
 from lit_parl.rewards.format import answer_tag
 
 TEMPLATE = (

@@ -1,7 +1,7 @@
 """Digit tasks: procedural prompt sources with a verifiable reward in [0, 1], learnable from random init on a CPU.
 
 A task makes row ``index`` deterministically from its seed (so a resumed run sees the same prompts); it
-is a ``lit_parl.prompts.PromptSource`` with ``num_rows=None``. Its reward, ``positional_reward``, reads
+is a ``lit_parl.prompts.prompt_row.PromptSource`` with ``num_rows=None``. Its reward, ``positional_reward``, reads
 token ids, never decoded text: decoding drops the end token, and without credit for stopping a model
 learns never to stop. (It is an ordinary reward function: its parameters are reward fields.)
 
@@ -23,7 +23,7 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Sequence
 
-from lit_parl.prompts import PromptRow
+from lit_parl.prompts.prompt_row import PromptRow
 
 
 def positional_reward(answer_ids: Sequence[int], completion_ids: Sequence[int], eos_id: int) -> float:

@@ -25,11 +25,11 @@ from urllib.parse import urlsplit
 
 import torch
 
-from lit_parl.model import tiny_qwen2
+from lit_parl.models.tiny_qwen2 import tiny_qwen2
 from lit_parl.rollout import PoolSpec
 from lit_parl.rollout.sglang import SGLangRolloutPool
 from lit_parl.rollout.sglang.client import HTTPClient
-from lit_parl.trajectory import GroupRequest, SamplingParams, sample_seed
+from lit_parl.rollout.records import GroupRequest, SamplingParams, sample_seed
 from sglang_contract.sglang_side import ServerSide, Verdict
 
 STANDIN = [sys.executable, str(Path(__file__).resolve().parents[1] / "sglang_standin.py")]

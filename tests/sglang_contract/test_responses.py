@@ -38,7 +38,7 @@ from sglang.srt.managers.schedule_batch import FINISH_ABORT, FINISH_LENGTH, FINI
 from sglang.srt.managers.tokenizer_manager import TokenizerManager  # noqa: E402
 
 from lit_parl.rollout.sglang.messages import Ends, MalformedResponse, abort_reason, parse_group  # noqa: E402
-from lit_parl.trajectory import GroupRequest, SamplingParams  # noqa: E402
+from lit_parl.rollout.records import GroupRequest, SamplingParams  # noqa: E402
 
 EOS = 2
 REQUEST = GroupRequest(prompt_id=3, prompt_tokens=(5, 6, 7), version=4, seeds=(11, 12))

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 
-from lit_parl.trajectory import GroupCompletions
+from lit_parl.rollout.records import GroupCompletions
 
 UNSET = "<unset>"
 

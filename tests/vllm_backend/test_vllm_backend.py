@@ -49,10 +49,10 @@ from lit_parl.kernels.forward import completion_logprobs
 from lit_parl.kernels.packing import pack
 
 from lit_parl.cli import build
-from lit_parl.model import tiny_qwen2
+from lit_parl.models.tiny_qwen2 import tiny_qwen2
 from lit_parl.rollout import PoolHealth, PoolSpec, VLLMRolloutPool
 from lit_parl.tasks import CopyTask
-from lit_parl.trajectory import GroupCompletions, GroupRequest, SamplingParams, sample_seed
+from lit_parl.rollout.records import GroupCompletions, GroupRequest, SamplingParams, sample_seed
 
 # Where vLLM is not installed (the project's main environment), the whole module is skipped. An installed
 # vLLM that fails to import is an error, not a skip. This is not a conftest.py: a second module named
@@ -438,7 +438,7 @@ def test_a_sigkilled_trainer_takes_its_vllm_worker_with_it(tmp_path):
     script = tmp_path / "trainer.py"
     script.write_text(textwrap.dedent(f"""
         import time
-        from lit_parl.model import tiny_qwen2
+        from lit_parl.models.tiny_qwen2 import tiny_qwen2
         from lit_parl.rollout import PoolSpec, VLLMRolloutPool
 
         if __name__ == "__main__":

@@ -31,9 +31,9 @@ from hydra.utils import instantiate
 
 from env_probe import EnvProbe, decode
 from lit_parl.rollout import PoolSpec, VLLMRolloutPool
-from lit_parl.rollout import vllm as vllm_pool
+from lit_parl.rollout import vllm_pool
 from lit_parl.rollout import vllm_engine
-from lit_parl.trajectory import GroupRequest, SamplingParams
+from lit_parl.rollout.records import GroupRequest, SamplingParams
 
 HAS_VLLM = importlib.util.find_spec("vllm") is not None
 SPEC = PoolSpec(model_dir="unused", eos_id=1, pad_id=0)

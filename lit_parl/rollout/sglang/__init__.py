@@ -44,7 +44,7 @@ Example (on a GPU node with ``pip install lit-parl[sglang]``; ``model_dir`` hold
 
 from lit_parl.rollout.sglang.client import ServerError
 from lit_parl.rollout.sglang.messages import MalformedResponse
-from lit_parl.rollout.sglang.pool import SGLangRolloutPool
+from lit_parl.rollout.sglang.sglang_pool import SGLangRolloutPool
 from lit_parl.rollout.sglang.weights import SYNC_METHODS
 
 __all__ = ["SYNC_METHODS", "MalformedResponse", "SGLangRolloutPool", "ServerError"]

@@ -19,7 +19,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from lit_parl.trajectory import GroupCompletions, GroupRequest, SamplingParams
+from lit_parl.rollout.records import GroupCompletions, GroupRequest, SamplingParams
 
 
 class MalformedResponse(RuntimeError):

@@ -32,7 +32,7 @@ from pathlib import Path
 
 import torch
 
-from lit_parl.rollout.base import WeightBucket
+from lit_parl.rollout.rollout_pool import WeightBucket
 from lit_parl.rollout.sglang.client import HTTPClient, RouteNotFound
 from lit_parl.rollout.sglang.servers import Server
 from lit_parl.rollout.weight_transfer import BroadcastAbandoned, broadcast_from_trainer, init_weight_update_group, save_shard, serialize_named_tensors

@@ -1,0 +1,60 @@
+"""InitialModelDir: the policy as a saved Hugging Face directory, which is what a rollout engine starts from.
+
+Example::
+
+    >>> from lit_parl.models import tiny_qwen2
+    >>> policy, tokenizer = tiny_qwen2()
+    >>> saved = InitialModelDir(policy, tokenizer)
+    >>> directory = saved.path()
+    >>> import os; "config.json" in os.listdir(directory)
+    True
+    >>> saved.remove(); os.path.exists(directory)
+    False
+"""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+
+class InitialModelDir:
+    """A model saved once, on first use, to a temporary directory (with its tokenizer), or a given path.
+
+    Args:
+        model: the policy, or the path of a Hugging Face directory of it (used as it is, never removed).
+        tokenizer: saved beside a model, so an engine that tokenizes finds it.
+    """
+
+    def __init__(self, model: PreTrainedModel | str | Path, tokenizer: PreTrainedTokenizerBase) -> None:
+        self.model, self.tokenizer = model, tokenizer
+        self._path: str | None = None  # the temporary directory this object made
+
+    def path(self) -> str:
+        if isinstance(self.model, (str, Path)):
+            return str(self.model)
+        if self._path is None:
+            self._path = tempfile.mkdtemp(prefix="lit_parl_initial_")
+            if torch.distributed.is_available() and torch.distributed.is_initialized():
+                # under torch.distributed `save_pretrained` writes on rank 0 only, but every rank's engines start
+                # from a directory of that rank's own (ranks may be on other machines): this rank writes too.
+                # transformers' own writer, not a copy of it: engines read its names (tied weights, architectures).
+                self.model.should_save_on_this_rank = lambda is_main_process: True  # shadows the method, once
+                try:
+                    self.model.save_pretrained(self._path)
+                finally:
+                    del self.model.should_save_on_this_rank
+            else:
+                self.model.save_pretrained(self._path)
+            self.tokenizer.save_pretrained(self._path)
+        return self._path
+
+    def remove(self) -> None:
+        """Delete the temporary directory (nothing when the model was given as a path)."""
+        if self._path is not None:
+            shutil.rmtree(self._path, ignore_errors=True)
+            self._path = None

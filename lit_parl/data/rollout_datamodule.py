@@ -1,0 +1,292 @@
+"""RolloutDataModule: one Lightning epoch = one RL iteration, streamed from a rollout pool.
+
+``train_dataloader()`` yields the current iteration's micro-batches as the pool's groups finish
+(``mode="async"``), or only after the whole iteration has been generated (``mode="sync"``, the
+colocated baseline). The datamodule wires the data path's parts (``PromptSchedule``, ``VersionGate``,
+``IterationStart``, ``GroupScorer``, ``GroupAcceptor``, ``IterationBatcher``, ``Evaluator``, ``RankShare``,
+``ResumePoint``: one job each, docs/design.md) and owns the pool's lifecycle (started in ``setup``, closed
+in ``teardown`` or when the fit fails).
+
+In use: the README's "Components without the CLI" script (run as a script by ``tests/test_readme.py``).
+"""
+from __future__ import annotations
+
+import dataclasses
+import time
+import warnings
+from collections import deque
+
+import torch
+from lightning.pytorch import LightningDataModule
+from lightning.pytorch.accelerators import CPUAccelerator
+from torch.utils.data import DataLoader
+from transformers import AutoConfig, PreTrainedModel, PreTrainedTokenizerBase
+
+from lit_parl.prompts.prompt_format import PromptFormat
+from lit_parl.data.group_acceptor import Advantages, GroupAcceptor
+from lit_parl.data.iteration_batcher import IterationBatcher
+from lit_parl.data.evaluator import EvalSettings, Evaluator
+from lit_parl.errors import OffPolicyError
+from lit_parl.data.version_gate import VersionGate
+from lit_parl.data.initial_model_dir import InitialModelDir
+from lit_parl.data.head_start import HeadStart
+from lit_parl.data.iteration_start import IterationStart, Started
+from lit_parl.data.iteration_streams import EvalStream, IterationStream
+from lit_parl.data.rank_share import RankShare, SlotExchange
+from lit_parl.data.resume_point import ResumePoint
+from lit_parl.data.prompt_schedule import PromptSchedule
+from lit_parl.data.group_scorer import GroupScorer
+from lit_parl.data.iteration_shape import IterationShape
+from lit_parl.data.iteration_stats import IterationStats
+from lit_parl.models.limits import check_context, context_length
+from lit_parl.prompts.prompt_row import PromptSource
+from lit_parl.rewards.scoring_policy import ScoringPolicy
+from lit_parl.rollout.rollout_pool import PoolSpec, RolloutPool, widened_for_trainer
+from lit_parl.data.micro_batch import MicroBatch, Packing
+from lit_parl.rollout.records import SamplingParams
+
+MODES = ("async", "sync")
+HISTORY_KEPT = 64  # iterations whose IterationStats stay in `history` (callbacks read the last one)
+
+
+def _as(kind, value):
+    """A settings object from itself, a dict of its fields (Hydra, JSON) or None (the defaults)."""
+    return value if isinstance(value, kind) else kind(**(value or {}))
+
+
+class RolloutDataModule(LightningDataModule):
+    """Streams each iteration's micro-batches from ``pool``, strictly on-policy.
+
+    Args:
+        data: the training prompts, a ``lit_parl.prompts.prompt_row.PromptSource`` (a dataset file, or a task).
+        rewards: the reward functions (``lit_parl.rewards.Reward`` or plain functions: the README's "Rewards").
+        pool: a ``lit_parl.rollout.RolloutPool``; started in ``setup`` if not started, closed at the end.
+        tokenizer: encodes prompts and answers; its end and padding tokens are the pool's.
+        shape: the iteration's shape (the module gets the same object).
+        objective: reward shaping and advantages for each arriving group, and ``dynamic_sampling``.
+        initial_model: the policy, or the path of a saved Hugging Face directory of it: what the pool's
+            engines are built from (a model is saved to a temporary directory at start).
+        sampling: sampling parameters (``SamplingParams`` or a dict of its fields).
+        packing: the micro-batch layout (``Packing`` or a dict of its fields).
+        mode: ``async`` (train while the pool generates) or ``sync`` (generate all, then train).
+        seed: the run's seed (per-sample seeds derive from it).
+        gate_timeout_s: how long an iteration waits for its weights before failing.
+        max_sampling_rounds: dynamic sampling's rounds of refill prompts.
+        prefetch: receive and collate micro-batches in a thread; ``None``: on with an accelerator.
+        trainer_threads: torch threads of the trainer's process; ``None``: the cores the pool leaves.
+        score_workers: threads of their own that score groups (for slow rewards, e.g. verifiers); 0 scores
+            each group where the batcher runs: in the prefetch thread when it is on, else between steps (the
+            first micro-batch's groups in the thread that starts the iteration).
+        prompt_format: raw text or the chat template, and the prompt length policy (``PromptFormat`` or its fields).
+        scoring: each reward call's timeout and error policy (``ScoringPolicy`` or its fields).
+        evaluation: when and how much to evaluate on held-out prompts (``EvalSettings`` or its fields; they
+            come from ``eval_data``, else from ``data.evaluation()``).
+        eval_data: the held-out prompts (``None``: ``data.evaluation()``).
+        correct_reward: a sample counts as correct (accuracy, mean@k, pass@k) when its total reward reaches this.
+        logprob_tolerance: the runtime on-policy check: the largest mean |rollout - θ_k| log-prob per token a
+            group may show before the run stops (the pool did not use the weights it reported);
+            ``"auto"``: the pool's own (``RolloutPool.logprob_tolerance``), at least the bfloat16 bound when
+            the trainer runs in lower precision or on an accelerator; ``None``: no check.
+    """
+
+    def __init__(
+        self,
+        data: PromptSource,
+        rewards,
+        pool: RolloutPool,
+        tokenizer: PreTrainedTokenizerBase,
+        shape: IterationShape,
+        objective: Advantages,
+        initial_model: PreTrainedModel | str,
+        sampling: SamplingParams | dict | None = None,
+        packing: Packing | dict | None = None,
+        mode: str = "async",
+        seed: int = 0,
+        gate_timeout_s: float = 300.0,
+        max_sampling_rounds: int = 8,
+        prefetch: bool | None = None,
+        trainer_threads: int | None = None,
+        score_workers: int = 0,
+        logprob_tolerance: float | str | None = "auto",
+        prompt_format: PromptFormat | dict | None = None,
+        scoring: ScoringPolicy | dict | None = None,
+        evaluation: EvalSettings | dict | None = None,
+        eval_data: PromptSource | None = None,
+        correct_reward: float = 1.0,
+    ) -> None:
+        super().__init__()
+        if mode not in MODES:
+            raise ValueError(f"RolloutDataModule(mode={mode!r}); choose one of {MODES}")
+        if not isinstance(pool, RolloutPool):
+            raise TypeError(f"RolloutDataModule(pool={type(pool).__name__}): a pool subclasses lit_parl.rollout.RolloutPool")
+        self.data, self.pool, self.tokenizer, self.shape, self.mode = data, pool, tokenizer, shape, mode
+        self.objective = objective
+        self.sampling = _as(SamplingParams, sampling)
+        if self.sampling.greedy:
+            raise ValueError("sampling.temperature=0 (greedy) cannot train: GRPO needs a distribution to sample and differentiate; greedy is for evaluation")
+        self.packing = _as(Packing, packing)
+        self.prompt_format = _as(PromptFormat, prompt_format)
+        self.correct_reward = correct_reward
+        self.max_sampling_rounds, self.prefetch, self.trainer_threads = max_sampling_rounds, prefetch, trainer_threads
+        if not (logprob_tolerance is None or logprob_tolerance == "auto" or (isinstance(logprob_tolerance, (int, float)) and logprob_tolerance > 0)):
+            raise ValueError(f"RolloutDataModule(logprob_tolerance={logprob_tolerance!r}): give a number > 0, 'auto' (the pool's) or None (no check)")
+        self.logprob_tolerance = logprob_tolerance
+        config = initial_model.config if isinstance(initial_model, PreTrainedModel) else AutoConfig.from_pretrained(initial_model)
+        check_context(config, self.sampling.max_new_tokens)  # limits known now fail now, before any engine starts
+        token_limit = self.prompt_format.token_limit(context_length(config), self.sampling.max_new_tokens)
+        self.schedule = PromptSchedule(data, tokenizer, shape.group_size, seed, self.prompt_format, token_limit)
+        self.gate = VersionGate(gate_timeout_s)
+        self.scorer = GroupScorer(rewards, tokenizer, score_workers, _as(ScoringPolicy, scoring))
+        self.evaluation = _as(EvalSettings, evaluation)
+        held_out = eval_data if eval_data is not None or not self.evaluation.enabled else getattr(data, "evaluation", lambda: None)()
+        self.evaluator = Evaluator.for_run(
+            self.evaluation, held_out, lambda rows: PromptSchedule(rows, tokenizer, 1, f"{seed}/eval", self.prompt_format, token_limit),
+            self.scorer, correct_reward, shape.prompts * shape.group_size,
+        )
+        if self.evaluator is not None:
+            self.val_dataloader = self._eval_dataloader  # Lightning runs its validation loop only when this exists
+        self.share = RankShare(shape)  # this rank's part of each iteration; set for the strategy's ranks in setup
+        self.slots = SlotExchange()  # dynamic sampling's open slots of every rank (set up under W ranks)
+        self.iterations_done = 0
+        self.resume = ResumePoint()  # where a checkpoint left the current iteration
+        # Lightning warns that a mid-epoch resume of a dataloader without state_dict is unreliable; this one resumes
+        # exactly (the stream leaves out what the checkpoint trained and checks Lightning's position against it)
+        warnings.filterwarnings("ignore", message=r"You're resuming from a checkpoint that ended before the epoch ended")
+        self.history: deque[IterationStats] = deque(maxlen=HISTORY_KEPT)  # the last few: a long run holds the same
+        self._use_prefetch = bool(prefetch)
+        self.start = IterationStart(self.gate, self._start_iteration)  # the opened iteration, before its stream takes it
+        self._model_dir = InitialModelDir(initial_model, tokenizer)  # what the pool's engines start from
+        pool.check_capacity(shape, self.sampling)
+
+    # -- Lightning hooks -------------------------------------------------------------------------------
+    def setup(self, stage: str) -> None:
+        if stage != "fit":
+            return
+        on_cpu = self.trainer is None or isinstance(self.trainer.accelerator, CPUAccelerator)
+        self._use_prefetch = (not on_cpu) if self.prefetch is None else self.prefetch
+        if self.trainer is not None and self.trainer.world_size > 1:
+            self._setup_ranks(self.trainer.world_size, self.trainer.global_rank)
+        colocated = self.mode == "sync"
+        if self.trainer_threads is not None:
+            torch.set_num_threads(self.trainer_threads)
+        elif on_cpu and not colocated:  # the pool's workers run beside the trainer on the same cores
+            torch.set_num_threads(max(1, torch.get_num_threads() - self.pool.reserved_cpus(colocated)))
+        if self.schedule.dropped_rows and self.trainer is not None:  # counted once: the data is prepared once
+            for logger in self.trainer.loggers:
+                logger.log_metrics({"data/dropped_prompts": float(len(self.schedule.dropped_rows))}, step=0)
+        if not self.pool.health().started:
+            eos, pad = self.tokenizer.eos_token_id, self.tokenizer.pad_token_id
+            self.pool.start(PoolSpec(self._model_dir.path(), eos, pad, colocated))
+
+    def _setup_ranks(self, world: int, rank: int) -> None:
+        """Each rank trains its ``RankShare`` of every iteration, from a pool of its own (docs/design.md, "Ranks")."""
+        self.share = RankShare(self.shape, world, rank)
+        if self.pool.shared_across_ranks:
+            # refused: every rank would push its own weights to the same servers; one rank pushing while the
+            # others wait for the confirmed version is issue 15's work
+            raise ValueError(
+                f"{type(self.pool).__name__} is one pool for all ranks, which a run of {world} ranks cannot share: "
+                "use an embedded pool (pool=hf or pool=vllm: each rank starts its own) or train on one device"
+            )
+        if getattr(self.objective, "dynamic_sampling", False):
+            self.slots = SlotExchange(world)
+            self._use_prefetch = True  # the exchange runs in the prefetch thread, apart from the gradient's
+
+    def teardown(self, stage: str) -> None:
+        self._release()
+
+    def on_exception(self, exception: BaseException) -> None:
+        self._release()  # a failed or interrupted fit skips teardown: the workers must not outlive it
+
+    def transfer_batch_to_device(self, batch, device: torch.device, dataloader_idx: int):
+        # Micro-batches are built on the CPU; when training there, skip Lightning's generic walk over the
+        # nested layout (measured at ~5 ms per step on the default job, about a fifth of a step).
+        if isinstance(batch, MicroBatch) and batch.advantages.device == device:
+            return batch
+        if isinstance(batch, MicroBatch):  # the trajectories are for logs, on the CPU: keep them out of the walk
+            moved = super().transfer_batch_to_device(dataclasses.replace(batch, trajectories=[]), device, dataloader_idx)
+            moved.trajectories = batch.trajectories
+            return moved
+        return super().transfer_batch_to_device(batch, device, dataloader_idx)
+
+    def train_dataloader(self) -> DataLoader:
+        return DataLoader(IterationStream(self), batch_size=None, num_workers=0, collate_fn=lambda batch: batch)
+
+    def _eval_dataloader(self) -> DataLoader:
+        return DataLoader(EvalStream(self), batch_size=None, num_workers=0, collate_fn=lambda batch: batch)
+
+    def state_dict(self) -> dict:
+        return {**self.schedule.state_dict(), **self.gate.state_dict(), "iterations_done": self.iterations_done,
+                **ResumePoint.saved(self.trainer, self.share, self.iterations_done)}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        self.schedule.load_state_dict(state_dict)
+        self.gate.load_state_dict(state_dict)
+        self.iterations_done = state_dict["iterations_done"]
+        self.resume.load(state_dict, self.share)
+
+    @property
+    def restored(self) -> bool:
+        """Loaded from a checkpoint: the first iteration's weights are pushed when the fit starts."""
+        return self.resume.restored
+
+    @property
+    def resume_version(self) -> int | None:
+        """The version of the iteration a checkpoint was written inside of, which the restored fit finishes from θ_k
+        (the module's ``old``); ``None`` when it was written between iterations."""
+        return self.resume.version
+
+    # -- the version gate ------------------------------------------------------------------------------
+    def open_iteration(self, version: int) -> None:
+        """Called once the pool confirmed ``version``: the iteration of ``version`` starts now, in a thread, up
+        to its first micro-batch (its requests go out at once), whether or not its epoch has begun yet."""
+        self.start.open(version, confirmed=self.pool.version)
+
+    # -- one iteration ---------------------------------------------------------------------------------
+    def batcher(self) -> IterationBatcher:
+        correct = self.correct_reward
+        acceptor = GroupAcceptor(self.objective, self.shape.group_size, self.sampling.max_new_tokens, lambda reward: reward >= correct)
+        return IterationBatcher(
+            self.share, self.schedule, self.pool, self.scorer, acceptor, self.sampling, self.packing, self.tokenizer.pad_token_id,
+            materialize=self.mode == "sync", dynamic_sampling=bool(getattr(self.objective, "dynamic_sampling", False)),
+            max_sampling_rounds=self.max_sampling_rounds,
+            logprob_tolerance=self.resolved_logprob_tolerance(), open_slots_everywhere=self.slots.everywhere,
+        )
+
+    def resolved_logprob_tolerance(self) -> float | None:
+        """The on-policy check's bound: the configured one, or the pool's, widened for a trainer in lower precision or on an accelerator."""
+        if self.logprob_tolerance != "auto":
+            return self.logprob_tolerance
+        if self.trainer is None:
+            return self.pool.logprob_tolerance()
+        on_accelerator = not isinstance(self.trainer.accelerator, CPUAccelerator)
+        return widened_for_trainer(self.pool.logprob_tolerance(), self.trainer.precision, on_accelerator)
+
+    def _start_iteration(self, version: int) -> Started:
+        """The iteration of ``version``, started in a thread: to its first micro-batch, or to its end with prefetch."""
+        if self.pool.version != version:
+            raise OffPolicyError(f"the gate opened version {version} but the pool holds version {self.pool.version}")
+        stats = IterationStats(version=version, requested_at=time.monotonic())
+        batches = self.batcher().micro_batches(version, stats)
+        return Started(version, stats, HeadStart(batches, f"lit_parl-iteration-{version}", to_the_end=self._use_prefetch))
+
+    def evaluate(self) -> dict[str, float]:
+        """The held-out metrics when the iteration just trained is due (Lightning validates after each epoch)."""
+        trainer = self.trainer
+        if self.evaluator is None or trainer is None or trainer.sanity_checking or not self.history:
+            return {}  # before the first iteration the pool holds no policy yet
+        return self.evaluator.after_iteration(trainer, self.iterations_done, self.history[-1].version, self.pool, self.sampling)
+
+    def finish_iteration(self, stats: IterationStats) -> None:
+        """Book the iteration (its last micro-batch is about to leave): its stats, the schedule's cursor, the gate."""
+        stats.completed_at = time.monotonic()
+        self.history.append(stats)
+        self.schedule.advance(stats.prompts_drawn)
+        self.iterations_done += 1
+        self.gate.close()
+
+    def _release(self) -> None:
+        self.pool.close()  # first: a started iteration's thread waiting on the pool ends with it
+        self.start.discard()  # opened at the end of an epoch after which the fit stopped: it never runs
+        self.scorer.close()
+        self._model_dir.remove()

@@ -1,0 +1,104 @@
+"""IterationMetrics: what one iteration of the update measured, logged at its end.
+
+Rollout side, once per iteration (pass 0): reward mean and std, accuracy, completion length (mean, max),
+truncation rate, the share of zero-variance groups, and the rollout engine's log-prob mismatch with θ_k
+on the same tokens. Trainer side, every micro-batch: clip fraction, KL to the reference, entropy,
+approximate KL between θ_k and the updated policy; every optimizer step: the gradient norm. These are
+torchmetrics aggregates, reduced over ranks when computed. Each reward's values (``reward/<name>``) and
+failed calls (``reward/<name>/failures``) are plain sums, since their names come from the data and a step
+must not wait on the device for them.
+
+Example::
+
+    >>> metrics = IterationMetrics()
+    >>> metrics["grad_norm"].update(2.0)
+    >>> float(metrics["grad_norm"].compute())
+    2.0
+"""
+
+from __future__ import annotations
+
+import torch
+from torchmetrics import MaxMetric, MeanMetric
+
+from lit_parl.trainer.guards import logprob_mismatch
+
+_MEANS = ("reward", "reward_sq", "accuracy", "length", "truncated", "zero_variance", "mismatch_abs", "mismatch_kl",
+          "clip_fraction", "kl_ref", "entropy", "approx_kl", "grad_norm")
+# the logged name of each aggregate whose name is not already the logged one
+_LOGGED_AS = {"length": "length/mean", "length_max": "length/max", "truncated": "truncation_rate",
+              "zero_variance": "zero_variance_share", "mismatch_abs": "mismatch/logprob_abs_diff", "mismatch_kl": "mismatch/kl"}
+
+
+class IterationMetrics(torch.nn.Module):
+    """The per-iteration metrics of ``GRPOModule``: ``update`` per micro-batch, ``log_to`` at the iteration's end.
+
+    ``metrics[name]`` is one aggregate (e.g. ``"clip_fraction"``, a ``MeanMetric``).
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.aggregates = torch.nn.ModuleDict({name: MeanMetric() for name in _MEANS})
+        self.aggregates["length_max"] = MaxMetric()
+        self._reward_sums: dict[str, list[float]] = {}
+        self._reward_failures: dict[str, int] = {}
+
+    def __getitem__(self, name: str):
+        return self.aggregates[name]
+
+    def update(self, batch, terms, old_logp: torch.Tensor) -> None:
+        """One micro-batch's loss statistics (``terms.stats``) and, on its first pass, its rollout statistics."""
+        m, stats = self.aggregates, terms.stats
+        tokens = stats["tokens"].clamp(min=1)
+        m["clip_fraction"].update(stats["clipped_tokens"] / tokens, weight=tokens)
+        m["approx_kl"].update(stats["approx_kl_sum"] / tokens, weight=tokens)
+        m["entropy"].update(stats["entropy_sum"] / tokens, weight=tokens)
+        if "kl_sum" in stats:
+            m["kl_ref"].update(stats["kl_sum"] / tokens, weight=tokens)
+        if batch.pass_index == 0:  # rollout statistics once per iteration, not once per pass
+            mask = batch.completion_mask
+            lengths = mask.sum(-1).float()
+            m["reward"].update(batch.rewards)
+            m["reward_sq"].update(batch.rewards**2)
+            m["accuracy"].update(batch.correct.float())
+            m["length"].update(lengths)
+            m["length_max"].update(lengths)
+            m["truncated"].update(batch.truncated.float())
+            m["zero_variance"].update(batch.zero_variance.float())
+            # the rollout engine's log-probs against θ_k's, on the same tokens
+            abs_sum, kl_sum, _ = logprob_mismatch(batch.rollout_logprobs, old_logp, mask)
+            m["mismatch_abs"].update(abs_sum / tokens, weight=tokens)
+            m["mismatch_kl"].update(kl_sum / tokens, weight=tokens)
+
+    def add_rewards(self, batch) -> None:
+        """Each reward's sums and failed calls in ``batch`` (whatever its loss: every rank logs every reward's name)."""
+        for name, (total, count) in batch.reward_components.items():
+            sums = self._reward_sums.setdefault(name, [0.0, 0])
+            sums[0] += total
+            sums[1] += count
+        for name, failures in batch.reward_failures.items():
+            self._reward_failures[name] = self._reward_failures.get(name, 0) + failures
+
+    def log_to(self, module) -> None:
+        """Log the iteration's values through ``module.log`` (a LightningModule) and start the next iteration's.
+
+        ``compute()`` is a collective under several ranks, so every rank first learns which aggregates any
+        rank updated, and all compute those.
+        """
+        updated = [metric.update_called for metric in self.aggregates.values()]
+        trainer = module._trainer
+        if trainer is not None and trainer.world_size > 1:
+            flags = torch.tensor(updated, dtype=torch.float32, device=module.device)
+            updated = trainer.strategy.reduce(flags, reduce_op="sum").gt(0).tolist()
+        values = {name: metric.compute() for (name, metric), due in zip(self.aggregates.items(), updated) if due}
+        if "reward" in values:
+            values["reward_std"] = (values.pop("reward_sq") - values["reward"] ** 2).clamp(min=0).sqrt()
+        for name, value in values.items():
+            module.log(_LOGGED_AS.get(name, name), value, prog_bar=name == "reward")
+        for name, (total, count) in self._reward_sums.items():  # every rank logs the same names: they come from the rewards
+            module.log(f"reward/{name}", total / max(count, 1), sync_dist=True)
+        for name in self._reward_sums:  # summed over ranks: every rank logs every reward's count, 0 included
+            module.log(f"reward/{name}/failures", float(self._reward_failures.get(name, 0)), sync_dist=True, reduce_fx="sum")
+        self._reward_sums, self._reward_failures = {}, {}
+        for metric in self.aggregates.values():
+            metric.reset()
