@@ -39,8 +39,8 @@ _EXPORTS = {
     "ScoringPolicy": "lit_parl.rewards.scoring_policy",
     "Trajectory": "lit_parl.data.micro_batch",
     "WarmupSchedule": "lit_parl.trainer.warmup_schedule",
-    "pretrained": "lit_parl.models.pretrained",
-    "tiny_qwen2": "lit_parl.models.tiny_qwen2",
+    "pretrained": "lit_parl.models.local_files",
+    "tiny_qwen2": "lit_parl.models.tiny",
 }
 __all__ = sorted(_EXPORTS)
 

@@ -1,4 +1,4 @@
-"""benchmarks/gpu_check.sh, the one script for a GPU machine, run here on the CPU: what it can check without a GPU.
+"""gpu_check/gpu_check.sh, the one script for a GPU machine, run here on the CPU: what it can check without a GPU.
 
 On this machine the script runs the CPU attention backends' exactness (float32 and bfloat16), a bf16-mixed fit
 of the ``trainer=gpu`` preset on the CPU (with and without gradient checkpointing), and records the sections
@@ -22,7 +22,7 @@ ROOT = Path(__file__).resolve().parents[1]
 @pytest.mark.slow
 def test_the_gpu_check_runs_its_cpu_parts_and_writes_one_json(tmp_path):
     env = {**os.environ, "OUT": str(tmp_path), "PYTHON": sys.executable, "GPU_CHECK_CPU_SMOKE": "1"}
-    done = subprocess.run(["bash", str(ROOT / "benchmarks" / "gpu_check.sh")], env=env, capture_output=True, text=True, timeout=900)
+    done = subprocess.run(["bash", str(ROOT / "gpu_check" / "gpu_check.sh")], env=env, capture_output=True, text=True, timeout=900)
     report = json.loads((tmp_path / "gpu_check.json").read_text())
     assert done.returncode == 0, (done.stdout[-3000:], report["summary"])
     checks = {r["check"]: r for r in report["records"]}

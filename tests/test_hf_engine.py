@@ -7,7 +7,7 @@ import tempfile
 
 import torch
 
-from lit_parl.models.tiny_qwen2 import tiny_qwen2
+from lit_parl.models import tiny_qwen2
 from lit_parl.rollout.hf_pool import HFEngine
 from lit_parl.rollout.sampling import sample_groups
 from lit_parl.rollout.records import GroupRequest, SamplingParams

@@ -400,13 +400,13 @@ _WHEEL_CHECK = textwrap.dedent(
         cfg = compose(config_name="config", overrides=["run_dir=unused"])
         for group in ("model", "data", "reward", "pool", "algorithm", "optimizer", "lr_schedule", "trainer", "logger", "callbacks"):
             assert group in cfg, group
-        assert cfg.model._target_ == "lit_parl.models.tiny_qwen2.tiny_qwen2"
+        assert cfg.model._target_ == "lit_parl.models.tiny_qwen2"
         assert cfg.data._target_ == "lit_parl.tasks.CopyTask"
         assert cfg.pool._target_ == "lit_parl.rollout.HFRolloutPool" and cfg.shape.group_size == 8
-        assert cfg.algorithm.objective._target_ == "lit_parl.trainer.grpo_objective.GRPOObjective"
+        assert cfg.algorithm.objective._target_ == "lit_parl.GRPOObjective"
         assert cfg.trainer._target_ == "lightning.Trainer"
         other = compose(config_name="config", overrides=["run_dir=unused", "data=reverse", "model=pretrained", "model.path=/x"])
-        assert other.data._target_ == "lit_parl.tasks.ReverseTask" and other.model._target_ == "lit_parl.models.pretrained.pretrained"
+        assert other.data._target_ == "lit_parl.tasks.ReverseTask" and other.model._target_ == "lit_parl.models.pretrained"
     for target in (cfg.model._target_, other.model._target_):
         assert under_site(sys.modules[get_method(target).__module__]), target
     for target in (cfg.data._target_, other.data._target_, cfg.pool._target_, cfg.algorithm.objective._target_):

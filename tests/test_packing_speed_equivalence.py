@@ -19,7 +19,7 @@ import torch
 from transformers import DynamicCache, PreTrainedModel
 
 from lit_parl.kernels.packing import GroupTokens, PackedTokens, SegmentBucket, SharedPromptLayout, pack
-from lit_parl.models.tiny_qwen2 import tiny_qwen2
+from lit_parl.models import tiny_qwen2
 from lit_parl.rollout import sampling as sampling_module
 from lit_parl.rollout.sampling import SampledGroup, _cache_keyword, filter_logits, sample_groups
 from lit_parl.rollout.records import GroupRequest, SamplingParams, sample_seed

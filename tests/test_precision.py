@@ -29,7 +29,7 @@ from lit_parl.kernels import attention as attention_module
 from lit_parl.kernels.attention import resolve_backend
 from lit_parl.kernels.forward import completion_logprobs
 from lit_parl.kernels.packing import pack
-from lit_parl.models.tiny_qwen2 import tiny_qwen2
+from lit_parl.models import tiny_qwen2
 from lit_parl.trainer.precision import enable_checkpointing
 from lit_parl.data.micro_batch import Packing
 

@@ -18,7 +18,7 @@ from transformers import AutoModelForCausalLM
 
 from lit_parl import GRPOModule, GRPOObjective, IterationShape, RolloutDataModule
 from lit_parl.callbacks import HFExport
-from lit_parl.models.pretrained import gguf
+from lit_parl.models.local_files import gguf
 from lit_parl.models.smollm2 import smollm2_gguf_file, smollm2_instruct
 from lit_parl.prompts.dataset_prompts import DatasetPrompts
 from lit_parl.rewards import Reward

@@ -25,7 +25,7 @@ import torch
 
 from lit_parl.kernels.forward import completion_logprobs
 from lit_parl.kernels.packing import pack
-from lit_parl.models.tiny_qwen2 import tiny_qwen2
+from lit_parl.models import tiny_qwen2
 from lit_parl.rollout.sampling import sample_groups
 from lit_parl.rollout.stop_strings import StopStrings
 from lit_parl.rollout.records import GroupRequest, SamplingParams

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from lit_parl.models.tiny_qwen2 import tiny_qwen2
+from lit_parl.models import tiny_qwen2
 from lit_parl.rollout import PoolSpec
 from lit_parl.rollout.sglang import MalformedResponse, SGLangRolloutPool
 from lit_parl.rollout.sampling import sample_groups
@@ -578,8 +578,8 @@ def test_training_through_the_sglang_pool(tmp_path, monkeypatch):
 
 
 def test_the_gpu_check_sglang_section_runs_its_sequence_against_the_standin(tmp_path):
-    """benchmarks/gpu_check_sglang.py (for GPU boxes with sglang) exercised here with the stand-in."""
-    script = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu_check_sglang.py"
+    """gpu_check/gpu_check_sglang.py (for GPU boxes with sglang) exercised here with the stand-in."""
+    script = Path(__file__).resolve().parents[1] / "gpu_check" / "gpu_check_sglang.py"
     done = subprocess.run([sys.executable, str(script), "--out", str(tmp_path), "--launch-command", *STANDIN, "--tolerance", "1e-4", "--dtype", "float32"],
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]

@@ -12,7 +12,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
 from lit_parl.kernels.forward import completion_logprobs
-from lit_parl.models.tiny_qwen2 import tiny_qwen2
+from lit_parl.models import tiny_qwen2
 from lit_parl.trainer.strategies.fsdp2 import shard_for_logprobs
 from lit_parl.data.micro_batch import Trajectory, collate
 

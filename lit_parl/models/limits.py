@@ -26,7 +26,7 @@ from transformers import PretrainedConfig
 # several times, not to size a run to the last gigabyte.
 _HIDDEN_FACTOR, _INTERMEDIATE_FACTOR = 12, 4
 # Logits of one LM-head chunk in float32: the kernel holds four to five [chunk, vocabulary] tensors at once
-# (the logits / T, their log-softmax, its exp, the gradient; benchmarks/scaling_costs.py measured it).
+# (the logits / T, their log-softmax, its exp, the gradient; benchmarks/costs/scaling_costs.py measured it).
 _LOGITS_COPIES = 5
 
 

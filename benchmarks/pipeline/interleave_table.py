@@ -1,7 +1,7 @@
-"""Tables from benchmarks/interleave.sh's output: completions/s per run and their median for each variant,
+"""Tables from benchmarks/pipeline/interleave.sh's output: completions/s per run and their median for each variant,
 against the first variant; with two variants, the seed-by-seed comparison (rewards and speed).
 
-Usage: python benchmarks/interleave_table.py interleave.log
+Usage: python benchmarks/pipeline/interleave_table.py interleave.log
 """
 
 from __future__ import annotations

@@ -1,9 +1,9 @@
-"""The TRL side of ``benchmarks/vs_trl.py``: Hugging Face TRL's ``GRPOTrainer`` on lit_parl's tiny model and task.
+"""The TRL side of ``benchmarks/vs_trl/vs_trl.py``: Hugging Face TRL's ``GRPOTrainer`` on lit_parl's tiny model and task.
 
-Runs in ``.venv-trl`` (``benchmarks/setup_trl_env.sh``), one synchronous process: generate a batch, score it,
+Runs in ``.venv-trl`` (``benchmarks/vs_trl/setup_trl_env.sh``), one synchronous process: generate a batch, score it,
 train on it. ``vs_trl.py`` starts it as a subprocess; it can also be run by hand::
 
-    .venv-trl/bin/python benchmarks/trl_side.py --model-dir /tmp/tiny --steps 20 --out /tmp/trl.json
+    .venv-trl/bin/python benchmarks/vs_trl/trl_side.py --model-dir /tmp/tiny --steps 20 --out /tmp/trl.json
 
 The settings mirror lit_parl's default job (``conf/``), and each choice is commented where it is made.
 ``--batch-size`` and ``--grad-accum`` set how TRL trains a step's 256 completions: ``256 x 1`` (one batch,

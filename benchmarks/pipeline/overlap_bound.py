@@ -19,8 +19,8 @@ It runs the default job (``lit-parl``, 32 prompts x 8) and the same with 128 pro
 and prints, per run, the medians over the iterations after ``--warmup``: wall, bound, wall / bound,
 between, and the parts of the bound. ``--timeline`` reads an existing ``timeline.jsonl`` instead.
 
-    .venv/bin/python benchmarks/overlap_bound.py --iterations 150 --seeds 0 1 2
-    .venv/bin/python benchmarks/overlap_bound.py --timeline runs/<run>/timeline.jsonl
+    .venv/bin/python benchmarks/pipeline/overlap_bound.py --iterations 150 --seeds 0 1 2
+    .venv/bin/python benchmarks/pipeline/overlap_bound.py --timeline runs/<run>/timeline.jsonl
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ from pathlib import Path
 
 from lit_parl.callbacks import load_timeline
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _length(intervals) -> float:

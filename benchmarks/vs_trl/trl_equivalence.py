@@ -14,7 +14,7 @@ gradient of the GRPO loss on them twice, from the same weights:
 Both get the same advantages (TRL's formula, epsilon 1e-4). It also compares the two advantage formulas
 (lit_parl's epsilon is 1e-6). Run it in TRL's environment::
 
-    .venv-trl/bin/python benchmarks/trl_equivalence.py          # prints the gradients' largest relative gap
+    .venv-trl/bin/python benchmarks/vs_trl/trl_equivalence.py          # prints the gradients' largest relative gap
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ def main() -> None:
     from trl import GRPOConfig, GRPOTrainer
 
     from lit_parl.kernels.forward import completion_logprobs
-    from lit_parl.models.tiny_qwen2 import tiny_qwen2
+    from lit_parl.models import tiny_qwen2
     from lit_parl.trainer.grpo_objective import GRPOObjective
     from lit_parl.tasks import CopyTask, positional_reward
     from lit_parl.data.micro_batch import Trajectory, collate

@@ -1,13 +1,13 @@
 #!/usr/bin/env bash
-# Creates .venv-trl: a separate environment with Hugging Face TRL, for benchmarks/vs_trl.py.
-#   benchmarks/setup_trl_env.sh            # TRL 1.16.0 (the version the comparison was written for)
-#   TRL=trl==X.Y.Z benchmarks/setup_trl_env.sh
+# Creates .venv-trl: a separate environment with Hugging Face TRL, for benchmarks/vs_trl/vs_trl.py.
+#   benchmarks/vs_trl/setup_trl_env.sh            # TRL 1.16.0 (the version the comparison was written for)
+#   TRL=trl==X.Y.Z benchmarks/vs_trl/setup_trl_env.sh
 # torch is installed FIRST and pinned (the local CPU wheel): an unpinned torch would pull a multi-GB CUDA
 # build as a dependency of trl/accelerate. Then trl (which brings transformers, accelerate, datasets), then
 # this project in editable mode so the TRL side reuses lit_parl's task, reward, tokenizer and model builder.
 # Nothing is downloaded at run time: no hub model, no vLLM.
 set -euo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 PYTHON=${PYTHON:-python3}
 VENV=${VENV:-.venv-trl}
 TORCH=${TORCH:-torch==2.13.0}

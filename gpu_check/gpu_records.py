@@ -3,7 +3,7 @@
 Each section (``gpu_check.py``, ``gpu_strategies.py``, ``gpu_check_vllm.py``, ``gpu_check_sglang.py``) calls
 ``log(out, record)``: a dict with ``check`` and ``status`` (``ok``, ``FAILED`` or ``skipped``, with ``why``),
 printed and appended to ``out/gpu_check.jsonl`` as it happens, so a section cut short by its timeout
-still leaves what it measured. ``python benchmarks/gpu_records.py OUT`` writes ``OUT/gpu_check.json``:
+still leaves what it measured. ``python gpu_check/gpu_records.py OUT`` writes ``OUT/gpu_check.json``:
 the records, and per status the checks that had it; it exits 1 if any check failed or none but the
 environment record passed.
 """

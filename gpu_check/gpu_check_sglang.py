@@ -14,7 +14,7 @@ refuses two ranks of one group on one device. With two or more GPUs the server r
 (``--base-gpu-id 1``, every GPU visible to it: a CUDA IPC handle opens only on a device the server sees),
 so the ``tensor`` method crosses devices (devices named by UUID) and ``distributed`` runs.
 
-    python benchmarks/gpu_check_sglang.py --out /tmp/gpu_check
+    python gpu_check/gpu_check_sglang.py --out /tmp/gpu_check
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from pathlib import Path
 
 import torch
 
-from lit_parl.models.tiny_qwen2 import tiny_qwen2
+from lit_parl.models import tiny_qwen2
 from lit_parl.rollout import PoolSpec
 from lit_parl.rollout.sglang import SGLangRolloutPool
 from lit_parl.tasks import CopyTask

@@ -22,9 +22,9 @@ Python threads or descendants. ``retained.txt`` lists what the run holds one ent
 
 Usage::
 
-    nice -n 5 .venv/bin/python benchmarks/soak.py                      # 1,000 iterations
-    .venv/bin/python benchmarks/soak.py --iterations 300 --tracemalloc  # + the trainer's allocation growth
-    .venv/bin/python benchmarks/soak.py --table benchmarks/logs/soak-DATE/soak.csv   # the table again
+    nice -n 5 .venv/bin/python benchmarks/pipeline/soak.py                      # 1,000 iterations
+    .venv/bin/python benchmarks/pipeline/soak.py --iterations 300 --tracemalloc  # + the trainer's allocation growth
+    .venv/bin/python benchmarks/pipeline/soak.py --table benchmarks/logs/soak-DATE/soak.csv   # the table again
 """
 
 from __future__ import annotations
@@ -49,7 +49,7 @@ from lightning.pytorch.callbacks import Callback
 from lit_parl import cli
 from lit_parl.rollout.processes import descendants
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 FIELDS = ("iteration", "process", "pid", "rss_mib", "rss_anon_mib", "rss_shmem_mib", "fds", "threads", "py_threads", "gc_objects", "children")
 RSS_MIB_PER_100 = 1.0  # flag threshold for the RSS measures; the counts are flagged on any rise
 

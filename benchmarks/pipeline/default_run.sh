@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The default job (`make train`) for several seeds, one after the other; prints each summary line.
-# Usage: benchmarks/default_run.sh [seeds...] [-- extra hydra overrides]
+# Usage: benchmarks/pipeline/default_run.sh [seeds...] [-- extra hydra overrides]
 set -euo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 seeds=(); extra=()
 while [ $# -gt 0 ]; do
   if [ "$1" = "--" ]; then shift; extra=("$@"); break; fi

@@ -7,13 +7,13 @@ inline, the runs are bit-identical; scored on threads, groups arrive in another 
 are cut differently and rounding differs: the script says so.) Variants run interleaved, one at a time.
 
 - ``ids``: the default job (``positional_reward`` on token ids; nothing decoded);
-- ``text``: plus the same reward computed from decoded text (``benchmarks/reward_fns.py:positional_text``):
+- ``text``: plus the same reward computed from decoded text (``benchmarks/costs/reward_fns.py:positional_text``):
   every completion is decoded and a Python reward called on it;
 - ``slow_inline`` / ``slow_threads``: plus a verifier that takes 10 ms per group (32 groups an iteration),
   scored where the batcher runs (``score_workers=0``) or on 8 scoring threads as groups arrive
   (``score_workers=8``).
 
-Usage: ``.venv/bin/python benchmarks/text_rewards.py [--seeds 0 1 2] [--iterations 800] [--variants ids text]``
+Usage: ``.venv/bin/python benchmarks/costs/text_rewards.py [--seeds 0 1 2] [--iterations 800] [--variants ids text]``
 """
 
 from __future__ import annotations
@@ -25,8 +25,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-ADD = "+reward.{name}._target_=lit_parl.rewards.Reward +reward.{name}.fn=benchmarks/reward_fns.py:{fn} +reward.{name}.weight=0.0"
+REPO = Path(__file__).resolve().parents[2]
+ADD = "+reward.{name}._target_=lit_parl.rewards.Reward +reward.{name}.fn=benchmarks/costs/reward_fns.py:{fn} +reward.{name}.weight=0.0"
 VARIANTS = {
     "ids": "",
     "text": ADD.format(name="text", fn="positional_text"),

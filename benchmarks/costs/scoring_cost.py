@@ -1,8 +1,8 @@
 """Per-completion cost of scoring a group in the trainer's process: the token-id reward of the default job
-against the same reward over decoded text (``benchmarks/reward_fns.py``), on the default job's shapes
+against the same reward over decoded text (``benchmarks/costs/reward_fns.py``), on the default job's shapes
 (groups of 8, completions of up to 6 tokens plus the end token, the character tokenizer).
 
-Usage: ``.venv/bin/python benchmarks/scoring_cost.py [--groups 2000] [--repeats 5]``
+Usage: ``.venv/bin/python benchmarks/costs/scoring_cost.py [--groups 2000] [--repeats 5]``
 """
 
 from __future__ import annotations

@@ -10,12 +10,12 @@
 2. ``--profile-iterations N``: cProfile of the trainer process (the main one) over a default run of N
    iterations, printing the top cumulative functions outside torch's internals in ms per iteration. The
    rollout worker is a spawned process that cProfile does not follow: profile both processes with
-   ``benchmarks/profile_default.sh`` (py-spy) instead.
+   ``benchmarks/pipeline/profile_default.sh`` (py-spy) instead.
 
 Usage::
 
-    .venv/bin/python benchmarks/profile_default.py                        # side-by-side timings
-    .venv/bin/python benchmarks/profile_default.py --profile-iterations 60
+    .venv/bin/python benchmarks/pipeline/profile_default.py                        # side-by-side timings
+    .venv/bin/python benchmarks/pipeline/profile_default.py --profile-iterations 60
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 BASELINE = "5b6bdd1"  # the last commit with the per-token packing, row-by-row collate and per-step noise draws
 
 
@@ -127,7 +127,7 @@ def side_by_side(rev: str, reps: int) -> None:
 
 def sampling_side_by_side(old_sample, reps: int) -> None:
     """The worker's ``sample_groups`` on the default model and chunk (8 prompts x 8 samples, 6 new tokens)."""
-    from lit_parl.models.tiny_qwen2 import tiny_qwen2
+    from lit_parl.models import tiny_qwen2
     from lit_parl.rollout.sampling import sample_groups
     from lit_parl.tasks import CopyTask
     from lit_parl.rollout.records import GroupRequest, SamplingParams, sample_seed

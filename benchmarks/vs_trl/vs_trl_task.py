@@ -1,13 +1,13 @@
-"""Workload (b) of ``benchmarks/vs_trl.py``: the copy task with a long shared preamble.
+"""Workload (b) of ``benchmarks/vs_trl/vs_trl.py``: the copy task with a long shared preamble.
 
 ``PreambleCopyTask`` is ``lit_parl.tasks.CopyTask`` with a fixed instruction text of ``preamble_chars``
 characters (one token each with the character tokenizer) put before every prompt. The answer and the
-reward are unchanged. Both sides import this one class (``PYTHONPATH=benchmarks``), so the prompts,
+reward are unchanged. Both sides import this one class (``PYTHONPATH=benchmarks/vs_trl``), so the prompts,
 answers and reward are the same on both:
 
 - lit_parl: ``lit-parl data._target_=vs_trl_task.PreambleCopyTask``. Hydra instantiates the class, and the
   rollout workers unpickle it by reference.
-- TRL: ``benchmarks/trl_side.py --task preamble``.
+- TRL: ``benchmarks/vs_trl/trl_side.py --task preamble``.
 
 Example::
 

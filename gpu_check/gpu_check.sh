@@ -2,7 +2,7 @@
 # The one script for a machine with one or more GPUs and no internet (README, "The GPU check"): under 10
 # minutes (the sections' limits add up to 500 s, each plus 15 s to kill), every result in one file,
 # $OUT/gpu_check.json (exit 1 if a check failed or none ran).
-# Sections, each under its own time limit, each logging records as it goes (benchmarks/gpu_records.py):
+# Sections, each under its own time limit, each logging records as it goes (gpu_check/gpu_records.py):
 #   gpu_check.py         shared-prompt exactness (flex, flash in bfloat16) and speed, a short bf16-mixed fit
 #   gpu_strategies.py    DDP, FSDP2, FSDP1, DeepSpeed ZeRO-2/3 against one device
 #   gpu_check_vllm.py    the vLLM pool on the GPU: start, sync, generate, the versions (if vllm is importable)
@@ -31,7 +31,7 @@ section() {  # section NAME SECONDS SCRIPT: a section cut off by its limit leave
   local failed_before; failed_before=$(cat "$OUT/gpu_check.jsonl" 2>/dev/null | grep -c '"status": "FAILED"')
   # shellcheck disable=SC2086 - $script is the script and its arguments
   # -k: a process that outlives SIGTERM (a fit only acts on it between batches) is killed 15 s later
-  timeout -k 15 "$limit" "$PY" benchmarks/$script --out "$OUT" > "$OUT/$name.log" 2>&1
+  timeout -k 15 "$limit" "$PY" gpu_check/$script --out "$OUT" > "$OUT/$name.log" 2>&1
   local rc=$?
   local failed_after; failed_after=$(cat "$OUT/gpu_check.jsonl" 2>/dev/null | grep -c '"status": "FAILED"')
   if [ "$rc" = 124 ] || [ "$rc" = 137 ]; then
@@ -40,7 +40,7 @@ section() {  # section NAME SECONDS SCRIPT: a section cut off by its limit leave
     echo "{\"check\": \"$name\", \"status\": \"FAILED\", \"why\": \"exit code $rc, see $name.log\"}" >> "$OUT/gpu_check.jsonl"
   fi
   tail -n 3 "$OUT/$name.log"
-  "$PY" benchmarks/gpu_records.py "$OUT" > /dev/null   # gpu_check.json after every section: a cut-off run keeps what it had
+  "$PY" gpu_check/gpu_records.py "$OUT" > /dev/null   # gpu_check.json after every section: a cut-off run keeps what it had
 }
 # GPU_CHECK_CPU_SMOKE=1: the test suite's run on a CPU machine (no speed section, 2 iterations per fit)
 FAST_ARGS=""
@@ -49,4 +49,4 @@ section kernels_and_fit 170 "gpu_check.py $FAST_ARGS"
 section strategies 130 gpu_strategies.py
 section vllm 100 gpu_check_vllm.py
 section sglang 100 gpu_check_sglang.py
-"$PY" benchmarks/gpu_records.py "$OUT"
+"$PY" gpu_check/gpu_records.py "$OUT"

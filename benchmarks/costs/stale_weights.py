@@ -6,7 +6,7 @@ reporting each new version (labels all correct, weights stale). Prints, per iter
 mean |Δ log-prob| per token of the worst group and of the whole iteration. The check itself is off here
 (``logprob_tolerance=None``), so the stale run continues.
 
-    .venv/bin/python benchmarks/stale_weights.py [--iterations 4] [--lrs 5e-4 1e-5]
+    .venv/bin/python benchmarks/costs/stale_weights.py [--iterations 4] [--lrs 5e-4 1e-5]
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from pathlib import Path
 
 from lightning.pytorch import Callback
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests"))
 
 from conftest import KeepsFirstWeights, fit, make_components  # noqa: E402 - the tests' tiny job and stale pool
 

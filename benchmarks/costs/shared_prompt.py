@@ -10,8 +10,8 @@ through /proc/self/clear_refs). The log-prob memory columns are analytic, for a 
 vocabulary: the float32 logits that a plain `model(...).logits` + `log_softmax` keeps for every
 position, against the `chunk × V` block of `linear_token_logprobs`.
 
-    .venv/bin/python benchmarks/shared_prompt.py                     # both models, the full grid (~25 min here)
-    .venv/bin/python benchmarks/shared_prompt.py --models tiny --reps 3
+    .venv/bin/python benchmarks/costs/shared_prompt.py                     # both models, the full grid (~25 min here)
+    .venv/bin/python benchmarks/costs/shared_prompt.py --models tiny --reps 3
 """
 
 from __future__ import annotations

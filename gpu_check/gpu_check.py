@@ -8,7 +8,7 @@ default job, with and without ``module.gradient_checkpointing``. Every result is
 results file (``gpu_records``). On a CPU-only machine the CPU backends run and the fit uses
 ``trainer.accelerator=cpu`` (with bf16-mixed on the CPU), which is how it is tested here.
 
-    python benchmarks/gpu_check.py --out /tmp/gpu_check [--skip-speed] [--iterations 40]
+    python gpu_check/gpu_check.py --out /tmp/gpu_check [--skip-speed] [--iterations 40]
 """
 
 from __future__ import annotations

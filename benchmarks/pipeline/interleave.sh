@@ -1,14 +1,14 @@
 #!/usr/bin/env bash
 # The default job under several variants, interleaved: for each repetition and seed, one run of each
 # variant in turn, one run at a time. Prints "<label> seed=<S> lit_parl summary: {...}" per run;
-# benchmarks/interleave_table.py turns that output into the tables of RESULTS.md.
+# benchmarks/pipeline/interleave_table.py turns that output into the tables of RESULTS.md.
 # -c adds each run's CPU seconds (user + system, the trainer and the workers it reaped; /usr/bin/time) to its
 # summary as "cpu_s": on a shared machine CPU time moves far less than wall time with the neighbours' load.
-# Usage: benchmarks/interleave.sh [-n iterations] [-r repetitions] [-s "seeds"] [-c] LABEL=BIN[:overrides] ...
+# Usage: benchmarks/pipeline/interleave.sh [-n iterations] [-r repetitions] [-s "seeds"] [-c] LABEL=BIN[:overrides] ...
 #   BIN: a lit-parl executable (e.g. one installed from another commit in a venv of its own);
 #   overrides: more Hydra overrides for that variant, separated by spaces.
 set -euo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 iterations=""; reps=1; seeds="0"; cpu=""
 while getopts "n:r:s:c" opt; do
   case $opt in n) iterations="iterations=$OPTARG";; r) reps=$OPTARG;; s) seeds=$OPTARG;; c) cpu=1;; *) exit 2;; esac

@@ -34,9 +34,9 @@ Qwen2-0.5B's shape). The exact parameter counts are printed.
 
 Run (from the repository root; about 13 minutes here for everything, on 2 shared cores):
 
-    .venv/bin/python benchmarks/scaling_costs.py
-    .venv/bin/python benchmarks/scaling_costs.py --sizes 10m 50m --parts sync memory --reps 3
-    .venv/bin/python benchmarks/scaling_costs.py --parts packing --packing-dtype float32 --max-step-s 120
+    .venv/bin/python benchmarks/costs/scaling_costs.py
+    .venv/bin/python benchmarks/costs/scaling_costs.py --sizes 10m 50m --parts sync memory --reps 3
+    .venv/bin/python benchmarks/costs/scaling_costs.py --parts packing --packing-dtype float32 --max-step-s 120
 """
 
 from __future__ import annotations

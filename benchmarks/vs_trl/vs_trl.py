@@ -1,19 +1,19 @@
 """lit_parl against Hugging Face TRL's ``GRPOTrainer`` at its best: same weights, task, batch, sampling, objective and cores.
 
-Usage (from the repository root, after ``make install`` and ``benchmarks/setup_trl_env.sh``)::
+Usage (from the repository root, after ``make install`` and ``benchmarks/vs_trl/setup_trl_env.sh``)::
 
-    .venv/bin/python benchmarks/vs_trl.py --quick                        # smoke run: 3 steps, seed 0, all models and configs
-    .venv/bin/python benchmarks/vs_trl.py --out vs_trl.json               # 3 models x 2 workloads x 3 seeds x 3 sides
-    .venv/bin/python benchmarks/vs_trl.py --workloads a --models h128 --steps-a 150 --seeds 0,1,2
-    .venv/bin/python benchmarks/vs_trl.py --workloads b --models h64 --steps-b 30 --trl-configs 256x1
-    .venv/bin/python benchmarks/vs_trl.py --models h256x4 --steps-for h256x4:a=100   # one model's steps
+    .venv/bin/python benchmarks/vs_trl/vs_trl.py --quick                        # smoke run: 3 steps, seed 0, all models and configs
+    .venv/bin/python benchmarks/vs_trl/vs_trl.py --out vs_trl.json               # 3 models x 2 workloads x 3 seeds x 3 sides
+    .venv/bin/python benchmarks/vs_trl/vs_trl.py --workloads a --models h128 --steps-a 150 --seeds 0,1,2
+    .venv/bin/python benchmarks/vs_trl/vs_trl.py --workloads b --models h64 --steps-b 30 --trl-configs 256x1
+    .venv/bin/python benchmarks/vs_trl/vs_trl.py --models h256x4 --steps-for h256x4:a=100   # one model's steps
 
 Workloads:
   a  the default job: copy task, 32 prompts x G=8 per step, at most 6 new tokens, lr 5e-4, beta 0.
   b  the same with a shared preamble of ``--preamble-chars`` (200) characters, one token each, before every
-     prompt (``benchmarks/vs_trl_task.py``), so every prompt is ~200 tokens long.
+     prompt (``benchmarks/vs_trl/vs_trl_task.py``), so every prompt is ~200 tokens long.
 
-Models (``--models``, default all three): random Qwen2 models built by ``lit_parl.models.tiny_qwen2.tiny_qwen2`` with the
+Models (``--models``, default all three): random Qwen2 models built by ``lit_parl.models.tiny_qwen2`` with the
 project's character tokenizer. 4 attention heads, as many KV heads, MLP width 4x the hidden size, tied
 embeddings:
   h64     hidden 64, 2 layers (tiny_qwen2's defaults)
@@ -59,7 +59,7 @@ runs 60 steps of a and 10 of b, unless ``--steps`` is given).
   the trainer on 1 thread, micro-batches of 64, shared-prompt packing (auto). ``checkpoint_every=0`` and
   ``trainer.max_time=null`` (TRL saves nothing and has no time cap). Its ``wall_s`` runs from Lightning's
   ``on_fit_start`` to ``on_fit_end``: the worker's start-up and the final export are outside it.
-- **TRL**: ``benchmarks/trl_side.py`` in ``.venv-trl``: ``GRPOTrainer`` in one process, torch threads 2
+- **TRL**: ``benchmarks/vs_trl/trl_side.py`` in ``.venv-trl``: ``GRPOTrainer`` in one process, torch threads 2
   (``--trl-threads``; ``2,1`` runs each layout once with each), generation with ``model.generate``
   (``use_vllm=False``), fp32. Its ``wall_s`` is ``trainer.train()``: model loading and the trainer's
   construction are outside it.
@@ -116,10 +116,10 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-BENCH = ROOT / "benchmarks"
+ROOT = Path(__file__).resolve().parents[2]
+BENCH = ROOT / "benchmarks" / "vs_trl"
 
-# lit_parl.models.tiny_qwen2.tiny_qwen2 arguments: 4 heads (= KV heads) and an MLP 4x the hidden size at every size, as
+# lit_parl.models.tiny_qwen2 arguments: 4 heads (= KV heads) and an MLP 4x the hidden size at every size, as
 # tiny_qwen2's defaults (h64) and conf/model/tiny_qwen2.yaml (h128, the default job) have them
 MODELS = {
     "h64": dict(hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=4, intermediate_size=256),
@@ -205,7 +205,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def save_model(directory: Path, model: str, seed: int) -> None:
-    from lit_parl.models.tiny_qwen2 import tiny_qwen2
+    from lit_parl.models import tiny_qwen2
 
     policy, tokenizer = tiny_qwen2(**MODELS[model], seed=seed)
     policy.save_pretrained(directory)
@@ -444,7 +444,7 @@ def main(argv=None) -> dict:
     args = parse_args(argv)
     for exe in (args.trl_python, args.lit_parl):
         if not Path(exe).exists():
-            hint = "benchmarks/setup_trl_env.sh" if exe == args.trl_python else "make install"
+            hint = "benchmarks/vs_trl/setup_trl_env.sh" if exe == args.trl_python else "make install"
             raise SystemExit(f"{exe} not found: run {hint} first")
     work = Path(args.work_dir or tempfile.mkdtemp(prefix="vs_trl_"))
     work.mkdir(parents=True, exist_ok=True)

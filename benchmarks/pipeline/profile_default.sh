@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
 # Sampling profile of a default run, both processes: the trainer and the spawned rollout worker.
 # Needs py-spy (`.venv/bin/pip install py-spy`; a profiling tool only, not a dependency of lit_parl).
-# Usage: benchmarks/profile_default.sh [iterations] [-- extra hydra overrides]
+# Usage: benchmarks/pipeline/profile_default.sh [iterations] [-- extra hydra overrides]
 # Writes runs/profile/pyspy.txt (collapsed stacks; the worker's stacks start with a second
 # `process N:` frame) and prints the lit_parl / kernels functions of each process in ms per iteration.
 set -euo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 iterations="${1:-60}"; shift || true
 [ "${1:-}" = "--" ] && shift
 out=runs/profile

@@ -21,9 +21,9 @@ completely hidden, and where the rest goes: the trainer's wait for its first mic
 between its steps. Three workloads: balanced (generation time ~ training time), generation-heavy (long
 completions of ragged lengths: groups finish at different times) and training-heavy.
 
-    .venv/bin/python benchmarks/async_vs_sync.py                 # all three, 3 runs per mode each
-    .venv/bin/python benchmarks/async_vs_sync.py --workloads balanced --reps 5 --json out.json
-    .venv/bin/python benchmarks/async_vs_sync.py --prompts 128 --modes sync sync-1t async-prefetch
+    .venv/bin/python benchmarks/pipeline/async_vs_sync.py                 # all three, 3 runs per mode each
+    .venv/bin/python benchmarks/pipeline/async_vs_sync.py --workloads balanced --reps 5 --json out.json
+    .venv/bin/python benchmarks/pipeline/async_vs_sync.py --prompts 128 --modes sync sync-1t async-prefetch
 
 An iteration loses a fixed amount of overlap at each end: the trainer waits for the first chunk (fill)
 and trains the last micro-batch alone (drain). The more micro-batches an iteration has, the smaller that
@@ -45,7 +45,7 @@ from pathlib import Path
 
 from lit_parl.callbacks import load_timeline
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 COMMON = [
     "data=copy", "checkpoint_every=0", "trainer.max_time=null", "+trainer.enable_progress_bar=false",

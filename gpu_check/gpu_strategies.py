@@ -9,7 +9,7 @@ run's, each once. With one GPU they run at world size 1 and this says that shard
 
 Each outcome is a record of the check's results file (``gpu_records``).
 
-Usage: python benchmarks/gpu_strategies.py --out DIR     (called by benchmarks/gpu_check.sh)
+Usage: python gpu_check/gpu_strategies.py --out DIR     (called by gpu_check/gpu_check.sh)
 """
 
 from __future__ import annotations
