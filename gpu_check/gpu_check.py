@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from lit_parl.kernels.attention import HALF_ONLY, available_backends
+from lit_parl.kernels.backends import HALF_ONLY, available_backends
 
 import gpu_kernels
 from gpu_records import log

@@ -604,7 +604,7 @@ def test_kl_in_reward_advantages_group_by_group(policy_and_tokenizer, estimator,
     old = -torch.rand(n, T, generator=gen) * 2
     ref = -torch.rand(n, T, generator=gen) * 2
     old[~batch.completion_mask] = 1.5  # off-mask values must not count
-    got = module.kl_in_reward_advantages(batch, old, ref)
+    got = objective.kl_in_reward_advantages(batch, old, ref)
 
     mask = batch.completion_mask.tolist()
     expected = [0.0] * n
@@ -626,7 +626,7 @@ def test_kl_in_reward_refuses_a_split_group(policy_and_tokenizer):
     batch = _kl_batch(drop=(7, 2))  # prompt 7 has 2 of its 3 samples here
     zeros = torch.zeros(batch.completion_mask.shape)
     with pytest.raises(ValueError, match="whole groups"):
-        module.kl_in_reward_advantages(batch, zeros, zeros - 0.1)
+        module.objective.kl_in_reward_advantages(batch, zeros, zeros - 0.1)
 
 
 # ------------------------------------------------------------------------------------------------------

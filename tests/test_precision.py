@@ -26,7 +26,8 @@ import torch
 from conftest import InProcessPool, fit, make_components, policy_state, sgd
 from lit_parl import GRPOModule, GRPOObjective, IterationShape
 from lit_parl.kernels import attention as attention_module
-from lit_parl.kernels.attention import resolve_backend
+from lit_parl.kernels import backends as backends_module
+from lit_parl.kernels.backends import resolve_backend
 from lit_parl.kernels.forward import completion_logprobs
 from lit_parl.kernels.packing import pack
 from lit_parl.models import tiny_qwen2
@@ -172,7 +173,7 @@ def test_auto_attention_for_the_trainers_precision_on_cuda(monkeypatch):
     # the module resolves at fit start for its trainer's precision (the device's backends as on CUDA with flash-attn)
     from types import SimpleNamespace
 
-    monkeypatch.setattr(attention_module, "available_backends", lambda device: ["sdpa", "dense", "flex", "flash"])
+    monkeypatch.setattr(backends_module, "available_backends", lambda device: ["sdpa", "dense", "flex", "flash"])
     for precision, expected in (("bf16-mixed", "flash"), ("32-true", "flex")):
         module._trainer = SimpleNamespace(precision=precision)
         module.on_fit_start()

@@ -29,14 +29,8 @@ import torch.nn.functional as F
 from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
 
 from lit_parl.kernels import attention as attention_module
-from lit_parl.kernels.attention import (
-    ATTENTION_NAME,
-    BACKENDS,
-    flex_block_mask,
-    resolve_backend,
-    shared_prompt_attention,
-    use_shared_prompt_attention,
-)
+from lit_parl.kernels.attention import ATTENTION_NAME, flex_block_mask, shared_prompt_attention, use_shared_prompt_attention
+from lit_parl.kernels.backends import BACKENDS, HALF_ONLY, resolve_backend
 from lit_parl.kernels.forward import completion_logprobs
 from lit_parl.kernels.logprobs import linear_token_logprobs
 from lit_parl.kernels.packing import dense_allowed, pack
@@ -570,7 +564,7 @@ def test_sliding_window_is_applied(fake_device_kernels, monkeypatch, backend, wi
     model = tiny_model("mistral", True, sliding_window=window)
     groups, _ = groups_of("multi")  # the 17-token prompt exceeds the window
     expected = reference_logprobs(model, groups, 1.0).detach()
-    half_only = backend in attention_module.HALF_ONLY  # bfloat16 only: under autocast, as bf16-mixed trains
+    half_only = backend in HALF_ONLY  # bfloat16 only: under autocast, as bf16-mixed trains
     with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16) if half_only else contextlib.nullcontext():
         got, packed = packed_logprobs(model, groups, 1.0, backend)
     if half_only:  # the bounds of test_device_backends_through_the_model_in_bfloat16

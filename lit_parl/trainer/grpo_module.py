@@ -40,15 +40,15 @@ from lit_parl.callbacks.full_tensors import is_sharded
 from lit_parl.data.iteration_shape import IterationShape
 from lit_parl.errors import OffPolicyError
 from lit_parl.trainer.guards import NonFiniteGuard, off_policy_problem, worst_group_mismatch
-from lit_parl.kernels.attention import compute_dtype as attention_dtype
-from lit_parl.kernels.attention import resolve_backend
+from lit_parl.kernels.backends import compute_dtype as attention_dtype
+from lit_parl.kernels.backends import resolve_backend
 from lit_parl.kernels.forward import check_supported
 from lit_parl.trainer.iteration_metrics import IterationMetrics
 from lit_parl.trainer.iteration_progress import IterationProgress
-from lit_parl.trainer.precision import compute_dtype, enable_checkpointing, warn_if_half_precision_weights
+from lit_parl.trainer.precision import check_precision, compute_dtype, enable_checkpointing
 from lit_parl.trainer.lean_checkpoint import fingerprint, leave_out, put_back
-from lit_parl.models.limits import check_memory, context_length
-from lit_parl.trainer.grpo_objective import GRPOObjective, kl_estimate
+from lit_parl.models.limits import check_memory
+from lit_parl.trainer.grpo_objective import GRPOObjective
 from lit_parl.trainer.strategies import StrategyAdapter, adapter_for
 from lit_parl.data.micro_batch import MicroBatch
 
@@ -119,16 +119,8 @@ class GRPOModule(LightningModule):
         check_supported(policy)
         if not temperature > 0:
             raise ValueError(f"GRPOModule(temperature={temperature}): training log-probs are taken at logits / T, T > 0 (greedy is for evaluation)")
-        if memory_budget_gib is not None:
-            sample_tokens = max_sample_tokens or context_length(policy.config)
-            if sample_tokens is None:
-                raise ValueError("GRPOModule(memory_budget_gib=...) needs max_sample_tokens: this model's config gives no context length")
-            check_memory(policy.config, shape.micro_batch_size, sample_tokens, logprob_chunk_size, memory_budget_gib)
-        if objective.kl_in_reward and shape.micro_batch_size % shape.group_size:
-            raise ValueError(
-                f"GRPOObjective(kl_in_reward=True) needs whole groups per micro-batch: make IterationShape(micro_batch_size="
-                f"{shape.micro_batch_size}) a multiple of group_size={shape.group_size}"
-            )
+        check_memory(policy.config, shape.micro_batch_size, max_sample_tokens, logprob_chunk_size, memory_budget_gib)
+        objective.check_shape(shape.micro_batch_size, shape.group_size)
         self.automatic_optimization = False
         # validation_step logs a held-out evaluation when the datamodule has one (it then has a val_dataloader);
         # without one Lightning skips validation, as intended, and says so on every fit
@@ -167,13 +159,7 @@ class GRPOModule(LightningModule):
         if stage != "fit":
             return
         # before the strategy wraps the module
-        if str(self.trainer.precision).startswith("16"):
-            raise ValueError(
-                f"Trainer(precision={self.trainer.precision!r}) is not supported: float16 needs a loss scaler, which the "
-                "manual optimizer step (gradient normalised per mini-batch, non-finite steps skipped) does not run. "
-                "Use precision='bf16-mixed' or '32-true'."
-            )
-        warn_if_half_precision_weights(self.trainer, self.policy)
+        check_precision(self.trainer, self.policy)
         self.__dict__["strategy_adapter"] = adapter_for(self.trainer.strategy, self.strategy_adapter)
         self.strategy_adapter.prepare(self.max_grad_norm, self.shape.micro_batch_size)
 
@@ -229,22 +215,6 @@ class GRPOModule(LightningModule):
             batch.tokens.attention.backend = backend
         return self.strategy_adapter.logprobs(model, batch.tokens, self.temperature, self.logprob_chunk_size, with_entropy)
 
-    def kl_in_reward_advantages(self, batch: MicroBatch, old_logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
-        """Advantages from rewards minus β·Σ_t KL_t(θ_k || reference), group by group within the micro-batch."""
-        mask = batch.completion_mask
-        sequence_kl = (kl_estimate(old_logp, ref_logp, self.objective.kl_estimator) * mask).sum(-1)
-        rewards = batch.shaped_rewards.to(sequence_kl.device) - self.objective.beta * sequence_kl
-        advantages = torch.empty_like(rewards)
-        ids = torch.tensor(batch.prompt_ids, device=rewards.device)
-        for prompt_id in ids.unique():
-            members = ids == prompt_id
-            if int(members.sum()) != batch.group_size:
-                raise ValueError(
-                    "kl_in_reward needs whole groups in each micro-batch: make IterationShape.micro_batch_size a multiple of group_size"
-                )
-            advantages[members] = self.objective.advantages(rewards[members])
-        return advantages
-
     def training_step(self, batch: MicroBatch, batch_idx: int) -> torch.Tensor:
         start = time.monotonic()
         objective = self.objective
@@ -254,7 +224,7 @@ class GRPOModule(LightningModule):
             ref_logp = self.completion_logprobs(self.reference, batch) if self.reference is not None else None
         advantages = batch.advantages
         if objective.kl_in_reward and ref_logp is not None:
-            advantages = self.kl_in_reward_advantages(batch, old_logp, ref_logp)
+            advantages = objective.kl_in_reward_advantages(batch, old_logp, ref_logp)
         terms = objective(logp, old_logp, ref_logp, advantages, batch.completion_mask, batch.rollout_logprobs, entropy)
         values = {"advantages": advantages, "log-probs": logp, "rollout log-probs": batch.rollout_logprobs, "loss": terms.loss_sum}
         finite = self.guard.inspect(values, batch.prompt_ids)

@@ -144,6 +144,29 @@ class GRPOObjective:
         penalty = torch.where(truncated, torch.full_like(penalty, -self.overlong_penalty), penalty)
         return rewards + penalty
 
+    def check_shape(self, micro_batch_size: int, group_size: int) -> None:
+        """Refuse a micro-batch size this objective cannot train on (KL in the reward needs whole groups)."""
+        if self.kl_in_reward and micro_batch_size % group_size:
+            raise ValueError(
+                f"GRPOObjective(kl_in_reward=True) needs whole groups per micro-batch: make IterationShape(micro_batch_size="
+                f"{micro_batch_size}) a multiple of group_size={group_size}"
+            )
+
+    def kl_in_reward_advantages(self, batch, old_logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
+        """Advantages from the micro-batch's (shaped) rewards minus β·Σ_t KL_t(θ_k || reference), group by group."""
+        sequence_kl = (kl_estimate(old_logp, ref_logp, self.kl_estimator) * batch.completion_mask).sum(-1)
+        rewards = batch.shaped_rewards.to(sequence_kl.device) - self.beta * sequence_kl
+        advantages = torch.empty_like(rewards)
+        ids = torch.tensor(batch.prompt_ids, device=rewards.device)
+        for prompt_id in ids.unique():
+            members = ids == prompt_id
+            if int(members.sum()) != batch.group_size:
+                raise ValueError(
+                    "kl_in_reward needs whole groups in each micro-batch: make IterationShape.micro_batch_size a multiple of group_size"
+                )
+            advantages[members] = self.advantages(rewards[members])
+        return advantages
+
     def advantages(self, rewards: torch.Tensor) -> torch.Tensor:
         """Advantages of one group's samples; all-equal rewards give exactly zero."""
         if torch.all(rewards == rewards[0]):  # exact zeros: the float32 mean's rounding must not leak in

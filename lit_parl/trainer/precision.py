@@ -23,14 +23,21 @@ def compute_dtype(precision: str | None, policy: PreTrainedModel) -> torch.dtype
     return next(policy.parameters()).dtype
 
 
-def warn_if_half_precision_weights(trainer, policy: PreTrainedModel) -> None:
-    """The optimizer updates the weights in their own dtype: in bfloat16 an update smaller than about 2^-8 of a
-    weight rounds to nothing. DeepSpeed keeps float32 master weights of its own, whatever the module's dtype."""
+def check_precision(trainer, policy: PreTrainedModel) -> None:
+    """Refuse float16 (no loss scaler runs); warn about half-precision weights: the optimizer updates the weights in
+    their own dtype, and in bfloat16 an update smaller than about 2^-8 of a weight rounds to nothing. DeepSpeed
+    keeps float32 master weights of its own, whatever the module's dtype."""
     from lightning.pytorch.strategies import DeepSpeedStrategy
 
+    precision = str(trainer.precision)
+    if precision.startswith("16"):
+        raise ValueError(
+            f"Trainer(precision={trainer.precision!r}) is not supported: float16 needs a loss scaler, which the "
+            "manual optimizer step (gradient normalised per mini-batch, non-finite steps skipped) does not run. "
+            "Use precision='bf16-mixed' or '32-true'."
+        )
     if isinstance(trainer.strategy, DeepSpeedStrategy):
         return
-    precision = str(trainer.precision)
     dtype = next(policy.parameters()).dtype
     if precision == "bf16-true":
         held = f"Trainer(precision={precision!r}) converts them"
