@@ -8,20 +8,24 @@ parameters), without starting any process, so a bad configuration fails before t
 
 from __future__ import annotations
 
+import importlib
 import logging
+import re
 import signal
 import warnings
 from pathlib import Path
 
 import hydra
 import lightning
+from hydra.errors import InstantiationException
 from hydra.utils import instantiate
 from lightning.pytorch.callbacks import ModelCheckpoint
 from omegaconf import DictConfig
+from omegaconf.errors import OmegaConfBaseException
 
 from lit_parl.callbacks import RunSummary
 from lit_parl.data.rollout_datamodule import RolloutDataModule
-from lit_parl.kernels.attention import resolve_backend
+from lit_parl.kernels.backends import resolve_backend
 from lit_parl.trainer.grpo_module import GRPOModule
 
 # loggers whose packages are extras: the import error names the extra to install
@@ -70,7 +74,7 @@ def _with_key(key: str, factory):
         try:
             return factory(**kwargs)
         except ValueError as error:
-            raise ValueError(f"{error} (config: {key})") from error
+            raise ValueError(f"config {key}: {error}") from error
 
     return build_node
 
@@ -147,6 +151,43 @@ def run(cfg: DictConfig) -> dict:
     return summary.summary if summary is not None else {}
 
 
+# Refusals of a bad setting, file or data row: lit_parl raises these with a message that names the fix
+_REFUSALS = (ValueError, FileNotFoundError, ImportError, OmegaConfBaseException)
+_OWN_CODE = tuple(Path(path).resolve() for package in ("lit_parl", "lit_parl.callbacks", "lit_parl.kernels")
+                  for path in importlib.import_module(package).__path__)
+
+
+def refusal_message(error: BaseException) -> str | None:
+    """The one line to print for ``error`` when it refuses a bad setting, file or data row: its message, with the
+    config key Hydra names; ``None`` for anything else (a failure in user or library code keeps its traceback).
+
+    A refusal is one of ``_REFUSALS`` whose innermost cause was raised by lit_parl's own code (or by OmegaConf,
+    for a value the config lacks); a reward or dataset loader of the user's that raises is not."""
+    cause, key = error, None
+    if isinstance(error, InstantiationException) and error.__cause__ is not None:
+        found = re.search(r"full_key: (\S+)", str(error))
+        cause, key = error.__cause__, found.group(1) if found else None
+    innermost = cause
+    while innermost.__cause__ is not None:
+        innermost = innermost.__cause__
+    frame = innermost.__traceback__
+    while frame is not None and frame.tb_next is not None:
+        frame = frame.tb_next
+    raised_at = Path(frame.tb_frame.f_code.co_filename).resolve() if frame is not None else None
+    own = raised_at is not None and any(raised_at.is_relative_to(root) for root in _OWN_CODE)
+    if not isinstance(cause, _REFUSALS) or not (own or isinstance(innermost, OmegaConfBaseException)):
+        return None
+    if isinstance(cause, OmegaConfBaseException):  # its str() spreads the key and the node's type over lines
+        return f"{str(cause).splitlines()[0]}: set it on the command line ({getattr(cause, 'full_key', 'key')}=...)"
+    return f"config {key}: {cause}" if key else str(cause)
+
+
 @hydra.main(config_path="pkg://lit_parl.conf", config_name="config", version_base="1.3")
 def main(cfg: DictConfig) -> None:
-    run(cfg)
+    try:
+        run(cfg)
+    except Exception as error:
+        message = refusal_message(error)
+        if message is None:
+            raise
+        raise SystemExit(f"lit-parl: error: {message}") from None

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -307,6 +308,49 @@ def test_cli_resumes_from_a_step_checkpoint_with_the_default_callbacks(tmp_path)
 
 
 # -- 2: bad configuration fails early, before any process -----------------------------------------------
+ROWS = {  # data files with one bad row or column, and the message that names it
+    "bad_column": ('{"question": "12=", "answer": "12"}\n', [], r"bad_column.jsonl \(split 'train'\) has no column 'prompt'"),
+    "empty_prompt": ('{"prompt": "12=", "answer": "12"}\n{"prompt": "", "answer": "3"}\n', [], r"row 1: the prompt is empty"),
+    "bad_messages": ('{"messages": [{"role": "user", "content": "1="}], "answer": "1"}\n{"messages": [{"content": "hi"}], "answer": "3"}\n',
+                     ["data.messages_column=messages", "data.prompt_column=null"], r"row 1: message 0 must be a dict with string 'role'"),
+}
+
+
+@pytest.mark.parametrize("case, overrides, message", [
+    *[(name, [f"data=jsonl", f"data.path={name}.jsonl", *extra], pattern) for name, (_, extra, pattern) in ROWS.items()],
+    ("bad_setting", ["shape.group_size=1"], r"config shape: IterationShape\(group_size=1\): GRPO needs at least 2"),
+    ("missing_value", ["model=pretrained"], r"Missing mandatory value: model.path: set it on the command line \(model.path=\.\.\.\)"),
+    ("missing_checkpoint", ["resume=nowhere.ckpt"], r"resume=nowhere.ckpt: no such checkpoint file or run directory"),
+])
+def test_a_bad_setting_or_data_row_prints_one_clear_line(tmp_path, case, overrides, message):
+    """What the user gave is refused in one line naming it (the config key, the file, the row), not a traceback."""
+    for name, (rows, _, _) in ROWS.items():
+        (tmp_path / f"{name}.jsonl").write_text(rows)
+    result = subprocess.run([str(LIT_PARL), *overrides, f"run_dir={tmp_path / 'run'}"], cwd=tmp_path, capture_output=True,
+                            text=True, timeout=300)
+    assert result.returncode == 1
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and re.search(rf"^lit-parl: error: .*{message}", lines[0]), result.stderr[-3000:]
+
+
+@pytest.mark.parametrize("where", ["reward", "data_source"])
+def test_a_failure_in_the_users_code_is_not_taken_for_a_refusal(tmp_path, where):
+    """A reward of the user's that raises while training keeps its traceback; a data source of the user's whose
+    constructor raises a ValueError is reported by Hydra as raised there, not as lit_parl's one-line refusal."""
+    (tmp_path / "my_code.py").write_text(
+        "def broken(completion: str) -> float:\n    raise ValueError('a bug of the reward')\n\n\n"
+        "class Source:\n    def __init__(self, **settings):\n        raise ValueError('a bug of the source')\n"
+    )
+    overrides = {"reward": ["iterations=1", "+reward.mine._target_=lit_parl.rewards.Reward", "+reward.mine.fn=my_code.py:broken"],
+                 "data_source": ["data._target_=my_code.Source"]}[where]
+    env = {**os.environ, "PYTHONPATH": str(tmp_path)}
+    result = subprocess.run([str(LIT_PARL), *overrides, f"run_dir={tmp_path / 'run'}"], cwd=tmp_path, capture_output=True,
+                            text=True, timeout=300, env=env)
+    assert result.returncode == 1 and "lit-parl: error:" not in result.stderr, result.stderr[-3000:]
+    if where == "reward":
+        assert "Traceback" in result.stderr and 'my_code.py", line 2, in broken' in result.stderr, result.stderr[-3000:]
+    else:
+        assert "Error in call to target 'my_code.Source'" in result.stderr and "a bug of the source" in result.stderr
 def _compose_and_build(tmp_path: Path, overrides: list[str]):
     with initialize_config_module(config_module="lit_parl.conf", version_base="1.3"):
         cfg = compose(config_name="config", overrides=[f"run_dir={tmp_path}", *overrides])
@@ -322,7 +366,7 @@ def _compose_and_build(tmp_path: Path, overrides: list[str]):
         (["pool=nonexistent"], MissingConfigException, ["pool/nonexistent", "hf"]),
         (["model=pretrained", "model.path=/does/not/exist"], InstantiationException, ["/does/not/exist", "config.json"]),
         (["model=pretrained"], MissingMandatoryValue, ["model.path"]),
-        (["datamodule.mode=bogus"], ValueError, ["mode='bogus'", "async", "sync", "(config: datamodule)"]),
+        (["datamodule.mode=bogus"], ValueError, ["config datamodule: ", "mode='bogus'", "async", "sync"]),
         (["shape.mini_batches=3"], InstantiationException, ["mini_batches=3", "32 prompts", "micro_batch_size=64", "full_key: shape"]),
     ],
     ids=["group_size", "micro_batch_size", "task", "pool", "model_path", "model_path_missing", "mode", "mini_batches"],
