@@ -20,6 +20,7 @@ so the ``tensor`` method crosses devices (devices named by UUID) and ``distribut
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib.util
 import socket
 import tempfile
@@ -31,7 +32,7 @@ import torch
 
 from lit_parl.models import tiny_qwen2
 from lit_parl.rollout import PoolSpec
-from lit_parl.rollout.sglang import SGLangRolloutPool
+from lit_parl.rollout.sglang import LaunchSettings, SGLangRolloutPool, SyncSettings
 from lit_parl.tasks import CopyTask
 from lit_parl.rollout.records import GroupRequest, SamplingParams, sample_seed
 
@@ -54,7 +55,7 @@ def trainer_logprobs(model, prompt, completion, temperature) -> torch.Tensor:
 
 def sync_and_generate(pool, method, version, model, previous, tokenizer, task, sampling, tolerance) -> dict:
     """Sync ``model`` as ``version`` by ``method``, generate 16 groups of 8; the record of what was served."""
-    pool.sync_method = method
+    pool.sync = dataclasses.replace(pool.sync, method=method)
     t0 = time.monotonic()
     named = list(model.named_parameters())
     pool.sync_weights([named[i : i + 8] for i in range(0, len(named), 8)], version)  # buckets of 8 tensors
@@ -114,9 +115,9 @@ def main() -> None:
         methods.remove("distributed")
         log(args.out, {"check": "sglang_sync_distributed", "status": "skipped", "why": "one GPU: the trainer and the server would be two NCCL ranks on one device"})
     pool = SGLangRolloutPool(
-        port=free_port(), launch_command=args.launch_command, server_args=server_args, mem_fraction_static=0.3 if gpus == 1 else 0.6,
-        dtype=args.dtype,
-        dist_master_port=free_port(), dist_backend="nccl" if device.type == "cuda" else "gloo", start_timeout_s=300,
+        launch=LaunchSettings(port=free_port(), command=args.launch_command, args=server_args,
+                              mem_fraction_static=0.3 if gpus == 1 else 0.6, dtype=args.dtype, start_timeout_s=300),
+        sync=SyncSettings(master_port=free_port(), backend="nccl" if device.type == "cuda" else "gloo"),
     )
     model_dir = tempfile.TemporaryDirectory(prefix="gpu_check_sglang_")  # the launched server builds its model here
     models[0].save_pretrained(model_dir.name)

@@ -14,15 +14,27 @@ import time
 import urllib.error
 import urllib.request
 import warnings
-from dataclasses import replace
+from dataclasses import fields, replace
+from inspect import signature
 from pathlib import Path
 
 import pytest
 import torch
+from hydra import compose, initialize_config_module
+from hydra.utils import instantiate
+from omegaconf.errors import MissingMandatoryValue
 
 from lit_parl.models import tiny_qwen2
 from lit_parl.rollout import PoolSpec
-from lit_parl.rollout.sglang import MalformedResponse, SGLangRolloutPool
+from lit_parl.rollout.sglang import (
+    LaunchSettings,
+    MalformedResponse,
+    RequestSettings,
+    RouterSettings,
+    SGLangRolloutPool,
+    ServerSettings,
+    SyncSettings,
+)
 from lit_parl.rollout.sampling import sample_groups
 from lit_parl.rollout.sglang.messages import Ends, parse_group
 from lit_parl.rollout.sglang.servers import server_command
@@ -97,14 +109,24 @@ def spec(tmp_path_factory) -> PoolSpec:
     return save_spec(model, tokenizer, tmp_path_factory.mktemp("spec") / "model")
 
 
-def start_pool(spec: PoolSpec, **kwargs) -> SGLangRolloutPool:
-    kwargs.setdefault("launch_command", STANDIN)
-    kwargs.setdefault("dtype", "float32")  # the exactness checks compare with the float32 trainer (the default is bfloat16)
-    kwargs.setdefault("port", free_port(kwargs.get("num_servers", 1)))
-    kwargs.setdefault("start_timeout_s", 120)
-    pool = SGLangRolloutPool(**kwargs)
+def sync_by(method: str = "distributed") -> SyncSettings:
+    """Sync settings by ``method``; a ``distributed`` group over gloo (NCCL needs GPUs) on a free port."""
+    return SyncSettings(method=method, backend="gloo", master_port=free_port())
+
+
+def start_pool(spec: PoolSpec, launch: dict | None = None, **settings) -> SGLangRolloutPool:
+    """A started pool that launched stand-in servers; ``launch`` overrides the stand-in's launch settings."""
+    # float32: the exactness checks compare with the float32 trainer (the default dtype is bfloat16)
+    launch = {"command": STANDIN, "dtype": "float32", "start_timeout_s": 120, **(launch or {})}
+    launch.setdefault("port", free_port(launch.get("num_servers", 1)))
+    pool = SGLangRolloutPool(launch=launch, **settings)
     pool.start(spec)
     return pool
+
+
+def attached(urls: list[str], method: str = "tensor", requests: dict | None = None, **servers) -> SGLangRolloutPool:
+    """A pool attached to ``urls`` that syncs by ``method``; ``servers`` are more of its server settings."""
+    return SGLangRolloutPool(servers={"urls": urls, **servers}, sync=sync_by(method), requests=requests)
 
 
 def launch_standin(model_dir: Path, *flags: str, deterministic: bool = True) -> tuple[subprocess.Popen, str]:
@@ -144,7 +166,7 @@ def trainer_logprobs(model, prompt: tuple[int, ...], completion: list[int], temp
 # ------------------------------------------------------------------------------------------------------
 def test_attaching_to_a_server_that_is_down_names_its_url(spec):
     url = f"http://127.0.0.1:{free_port()}"
-    pool = SGLangRolloutPool(urls=[url], attach_timeout_s=1.5)
+    pool = attached([url], attach_timeout_s=1.5)
     with pytest.raises(RuntimeError, match=f"SGLang server {url} is not healthy"):
         pool.start(spec)
     assert pool.health().workers == 0
@@ -152,16 +174,29 @@ def test_attaching_to_a_server_that_is_down_names_its_url(spec):
 
 def test_a_launched_server_that_exits_reports_its_log(spec):
     with pytest.raises(RuntimeError, match=r"exited with code 3 while starting(.|\n)*exiting at start as asked"):
-        start_pool(spec, launch_command=[*STANDIN, "--exit-at-start"])
+        start_pool(spec, launch={"command": [*STANDIN, "--exit-at-start"]})
 
 
 def test_bad_configuration_is_refused_before_anything_starts():
-    with pytest.raises(ValueError, match="sync_method='nccl'"):
-        SGLangRolloutPool(sync_method="nccl")
-    with pytest.raises(ValueError, match=r"SGLangRolloutPool\(gpu_ids=\[0, 1\]\): 2 GPU id\(s\) for 2 worker\(s\); give num_servers \* tp_size = 2 \* 2 = 4"):
-        SGLangRolloutPool(num_servers=2, tp_size=2, gpu_ids=[0, 1])
+    with pytest.raises(ValueError, match=r"SyncSettings\(method='nccl'\): choose one of"):
+        SGLangRolloutPool(sync={"method": "nccl"})
+    expected = (
+        r"SGLangRolloutPool\(gpu_ids=\[0, 1\]\): 2 GPU id\(s\) for 2 worker\(s\); "
+        r"give launch.num_servers \* servers.tp_size = 2 \* 2 = 4"
+    )
+    with pytest.raises(ValueError, match=expected):
+        SGLangRolloutPool(servers={"tp_size": 2}, launch={"num_servers": 2, "gpu_ids": [0, 1]})
     with pytest.raises(ValueError, match=r"GPU 1 is given to workers 0 and 1"):
-        SGLangRolloutPool(num_servers=2, gpu_ids=[1, 1])
+        SGLangRolloutPool(launch={"num_servers": 2, "gpu_ids": [1, 1]})
+    with pytest.raises(ValueError, match=r"ServerSettings\(urls=\[\]\): give a list of server URLs"):
+        SGLangRolloutPool(servers={"urls": []})
+    with pytest.raises(ValueError, match=r"LaunchSettings\(num_servers=0\): at least one server"):
+        SGLangRolloutPool(launch={"num_servers": 0})
+    with pytest.raises(ValueError, match=r"RequestSettings\(max_retries=-1\): must be >= 0"):
+        SGLangRolloutPool(requests={"max_retries": -1})
+    # attached servers have GPUs of their own: the launch's placement is not checked against them
+    placed_elsewhere = SGLangRolloutPool(servers={"urls": ["http://a:1"]}, launch={"gpu_ids": [1, 1]})
+    assert placed_elsewhere.servers.urls == ("http://a:1",)
 
 
 # ------------------------------------------------------------------------------------------------------
@@ -170,7 +205,7 @@ def test_bad_configuration_is_refused_before_anything_starts():
 @pytest.mark.parametrize("method", ["tensor", "distributed", "disk"])
 def test_each_sync_method_serves_exactly_the_synced_weights(method, spec):
     model, tokenizer = tiny_qwen2(seed=0)
-    pool = start_pool(spec, num_servers=2, sync_method=method, dist_backend="gloo", dist_master_port=free_port())
+    pool = start_pool(spec, launch={"num_servers": 2}, sync=sync_by(method))
     pids = pool.launched_pids()
     try:
         assert len(pids) == 2 and all(alive(p) for p in pids)
@@ -181,7 +216,8 @@ def test_each_sync_method_serves_exactly_the_synced_weights(method, spec):
         assert all(type(g) is GroupCompletions for g in groups.values())  # unscored: the trainer scores
         request = requests_for(0)[0]
         for completion, logprobs in zip(groups[0].completions, groups[0].logprobs):
-            torch.testing.assert_close(torch.tensor(logprobs), trainer_logprobs(model, request.prompt_tokens, completion, 0.7), atol=1e-4, rtol=0)
+            expected = trainer_logprobs(model, request.prompt_tokens, completion, 0.7)
+            torch.testing.assert_close(torch.tensor(logprobs), expected, atol=1e-4, rtol=0)
         # distinct seeds within a group give distinct samples; the same seeds give the same samples
         assert len({tuple(c) for g in groups.values() for c in g.completions}) > 4
         again = {g.prompt_id: g for g in pool.generate(requests_for(0), SAMPLING)}
@@ -193,8 +229,11 @@ def test_each_sync_method_serves_exactly_the_synced_weights(method, spec):
         after = {g.prompt_id: g for g in pool.generate(requests_for(1), SAMPLING)}
         assert {g.version for g in after.values()} == {1}
         for completion, logprobs in zip(after[0].completions, after[0].logprobs):
-            torch.testing.assert_close(torch.tensor(logprobs), trainer_logprobs(changed, request.prompt_tokens, completion, 0.7), atol=1e-4, rtol=0)
-            assert not torch.allclose(torch.tensor(logprobs), trainer_logprobs(model, request.prompt_tokens, completion, 0.7), atol=1e-3)
+            served = torch.tensor(logprobs)
+            expected = trainer_logprobs(changed, request.prompt_tokens, completion, 0.7)
+            torch.testing.assert_close(served, expected, atol=1e-4, rtol=0)
+            before = trainer_logprobs(model, request.prompt_tokens, completion, 0.7)
+            assert not torch.allclose(served, before, atol=1e-3)
     finally:
         pool.close()
     assert not any(alive(p) for p in pids)
@@ -203,7 +242,7 @@ def test_each_sync_method_serves_exactly_the_synced_weights(method, spec):
 def test_a_version_the_servers_do_not_confirm_is_an_error(saved_model):
     model, spec, model_dir = saved_model
     process, url = launch_standin(model_dir, "--stale-version")
-    pool = SGLangRolloutPool(urls=[url], sync_method="disk")
+    pool = attached([url], "disk")
     try:
         pool.start(spec)
         with pytest.raises(RuntimeError, match=rf"sync to version 0 was not confirmed: .*'{url}', 'default'"):
@@ -225,7 +264,7 @@ def test_an_sglang_from_before_update_sessions_is_detected_and_synced(method, sa
     outside a session, so the other sync tests need the session and ``/model_info``."""
     model, spec, model_dir = saved_model
     process, url = launch_standin(model_dir, "--legacy-api")
-    pool = SGLangRolloutPool(urls=[url], sync_method=method)
+    pool = attached([url], method)
     try:
         pool.start(spec)
         for version, seed in enumerate((0, 1)):
@@ -245,9 +284,11 @@ def test_a_session_left_open_by_a_stopped_trainer_is_closed_and_the_sync_goes_on
     model, spec, model_dir = saved_model
     process, url = launch_standin(model_dir)
     try:
-        begin = urllib.request.Request(url + "/begin_weight_update", data=b"{}", headers={"Content-Type": "application/json"}, method="POST")
+        begin = urllib.request.Request(
+            url + "/begin_weight_update", data=b"{}", headers={"Content-Type": "application/json"}, method="POST"
+        )
         urllib.request.urlopen(begin, timeout=10).read()
-        pool = SGLangRolloutPool(urls=[url], sync_method="tensor")
+        pool = attached([url])
         try:
             pool.start(spec)
             pool.sync_weights(buckets(model), version=0)
@@ -266,16 +307,19 @@ def test_seeds_hold_only_on_servers_with_deterministic_inference_and_an_attached
     model, spec, model_dir = saved_model
     process, url = launch_standin(model_dir, deterministic=False)
     try:
-        pool = SGLangRolloutPool(urls=[url], sync_method="disk")
+        pool = attached([url], "disk")
         with pytest.warns(UserWarning, match=rf"\['{url}'\] do not report --enable-deterministic-inference"):
             pool.start(spec)
         try:
             pool.sync_weights(buckets(model), version=0)
-            first, again = (sorted(tuple(c) for g in pool.generate(requests_for(0), SAMPLING) for c in g.completions) for _ in range(2))
+            def drawn() -> list[tuple[int, ...]]:
+                return sorted(tuple(c) for g in pool.generate(requests_for(0), SAMPLING) for c in g.completions)
+
+            first, again = drawn(), drawn()
             assert first != again, "the server followed the seeds without the flag: the stand-in is laxer than SGLang"
         finally:
             pool.close()
-        quiet = SGLangRolloutPool(urls=[url], sync_method="disk", deterministic_inference=False)
+        quiet = attached([url], "disk", deterministic_inference=False)
         with warnings.catch_warnings():
             warnings.simplefilter("error")
             quiet.start(spec)
@@ -283,18 +327,20 @@ def test_seeds_hold_only_on_servers_with_deterministic_inference_and_an_attached
     finally:
         process.kill()
         process.wait()
-    assert "--enable-deterministic-inference" in server_command(["sglang"], "m", "h", 1, 1, None, [], deterministic_inference=True)
-    assert "--enable-deterministic-inference" not in server_command(["sglang"], "m", "h", 1, 1, None, [], deterministic_inference=False)
+    launch = LaunchSettings(command=["sglang"])
+    assert "--enable-deterministic-inference" in server_command(launch, "m", 1, 1, deterministic_inference=True)
+    assert "--enable-deterministic-inference" not in server_command(launch, "m", 1, 1, deterministic_inference=False)
 
 
 def test_an_unknown_launch_flag_stops_the_standin_as_it_stops_sglang(spec):
-    with pytest.raises(RuntimeError, match=r"exited with code 2 while starting(.|\n)*unrecognized arguments: --no-such-flag"):
-        start_pool(spec, server_args=["--no-such-flag"])
+    refused = r"exited with code 2 while starting(.|\n)*unrecognized arguments: --no-such-flag"
+    with pytest.raises(RuntimeError, match=refused):
+        start_pool(spec, launch={"args": ["--no-such-flag"]})
 
 
 def test_requests_of_another_version_are_refused(spec):
     model, tokenizer = tiny_qwen2()
-    pool = start_pool(spec, sync_method="disk")
+    pool = start_pool(spec, sync=sync_by("disk"))
     try:
         pool.sync_weights(buckets(model), version=3)
         with pytest.raises(RuntimeError, match=r"version gate: requests for policy version\(s\) \[2\]"):
@@ -323,7 +369,8 @@ def test_under_top_k_and_top_p_the_logprobs_are_the_full_softmax_at_t(spec):
             expected = trainer_logprobs(peaked, request.prompt_tokens, completion, 0.7)
             torch.testing.assert_close(torch.tensor(logprobs), expected, atol=1e-4, rtol=0)
             with torch.no_grad():
-                logits = peaked(torch.tensor([[*request.prompt_tokens, *completion]])).logits[0, len(request.prompt_tokens) - 1 : -1]
+                ids = torch.tensor([[*request.prompt_tokens, *completion]])
+                logits = peaked(ids).logits[0, len(request.prompt_tokens) - 1 : -1]
             for t, token in enumerate(completion):
                 kept = filtered_distribution(logits[t], 0.7, 6, 0.8)
                 assert token in kept, f"token {token} at step {t} is outside the filtered set {sorted(kept)}"
@@ -334,13 +381,14 @@ def test_sglang_return_original_logprob_is_refused_when_launching(saved_model, m
     server, whose environment the pool cannot see)."""
     model, spec, model_dir = saved_model
     monkeypatch.setenv("SGLANG_RETURN_ORIGINAL_LOGPROB", "True")
-    pool = SGLangRolloutPool(launch_command=STANDIN, port=free_port())
-    with pytest.raises(ValueError, match=r"SGLANG_RETURN_ORIGINAL_LOGPROB=True is set: .* before temperature, .* Unset"):
+    pool = SGLangRolloutPool(launch={"command": STANDIN, "port": free_port()})
+    refused = r"SGLANG_RETURN_ORIGINAL_LOGPROB=True is set: .* before temperature, .* Unset"
+    with pytest.raises(ValueError, match=refused):
         pool.start(spec)
     assert pool.health().workers == 0
 
     process, url = launch_standin(model_dir)  # inherits the variable
-    pool = SGLangRolloutPool(urls=[url], sync_method="disk")
+    pool = attached([url], "disk")
     try:
         pool.start(spec)
         pool.sync_weights(buckets(model), version=0)
@@ -351,8 +399,11 @@ def test_sglang_return_original_logprob_is_refused_when_launching(saved_model, m
         process.kill()
         process.wait()
     for completion, logprobs in zip(group.completions, group.logprobs):
-        torch.testing.assert_close(torch.tensor(logprobs), trainer_logprobs(model, request.prompt_tokens, completion, 1.0), atol=1e-4, rtol=0)
-        assert not torch.allclose(torch.tensor(logprobs), trainer_logprobs(model, request.prompt_tokens, completion, SAMPLING.temperature), atol=1e-4)
+        served = torch.tensor(logprobs)
+        before_t = trainer_logprobs(model, request.prompt_tokens, completion, 1.0)
+        torch.testing.assert_close(served, before_t, atol=1e-4, rtol=0)
+        at_t = trainer_logprobs(model, request.prompt_tokens, completion, SAMPLING.temperature)
+        assert not torch.allclose(served, at_t, atol=1e-4)
 
 
 # ------------------------------------------------------------------------------------------------------
@@ -364,7 +415,7 @@ def test_a_server_dying_mid_iteration_loses_and_duplicates_nothing(saved_model):
     model, spec, model_dir = saved_model
     dying, dying_url = launch_standin(model_dir, "--die-after-generates", "2")
     healthy, healthy_url = launch_standin(model_dir)
-    pool = SGLangRolloutPool(urls=[dying_url, healthy_url], sync_method="disk", max_retries=2)
+    pool = attached([dying_url, healthy_url], "disk", requests={"max_retries": 2})
     try:
         pool.start(spec)
         pool.sync_weights(buckets(model), version=0)
@@ -386,7 +437,7 @@ def test_a_server_dying_mid_iteration_loses_and_duplicates_nothing(saved_model):
 def test_the_last_server_dying_is_a_clear_error(saved_model):
     model, spec, model_dir = saved_model
     dying, url = launch_standin(model_dir, "--die-after-generates", "1")
-    pool = SGLangRolloutPool(urls=[url], sync_method="disk", max_retries=2)
+    pool = attached([url], "disk", requests={"max_retries": 2})
     try:
         pool.start(spec)
         pool.sync_weights(buckets(model), version=0)
@@ -401,11 +452,12 @@ def test_the_last_server_dying_is_a_clear_error(saved_model):
 def test_a_malformed_response_is_a_clear_error(saved_model):
     model, spec, model_dir = saved_model
     process, url = launch_standin(model_dir, "--malformed")
-    pool = SGLangRolloutPool(urls=[url], sync_method="disk")
+    pool = attached([url], "disk")
     try:
         pool.start(spec)
         pool.sync_weights(buckets(model), version=0)
-        with pytest.raises(MalformedResponse, match=f"{url}/generate for prompt .* meta_info lacks output_token_logprobs"):
+        refused = f"{url}/generate for prompt .* meta_info lacks output_token_logprobs"
+        with pytest.raises(MalformedResponse, match=refused):
             list(pool.generate(requests_for(0, prompts=2), SAMPLING))
     finally:
         pool.close()
@@ -424,18 +476,22 @@ def test_parse_checks_every_field():
         return parse_group(request, answers, url, ends=ends)
 
     def output(tokens, version="0", reason=None):
-        reason = reason or ({"type": "length", "length": 3} if len(tokens) == 3 else {"type": "stop", "matched": tokens[-1]})
+        if reason is None:
+            reason = {"type": "length", "length": 3} if len(tokens) == 3 else {"type": "stop", "matched": tokens[-1]}
         return {"output_ids": tokens, "meta_info": {"output_token_logprobs": [[-0.5, t, None] for t in tokens],
                                                     "finish_reason": reason, "weight_version": version}}
 
     a, b = tokenizer.convert_tokens_to_ids(["a", "b"])
     group = parse([output([5, 2]), output([7, 8, 10])], "u")
-    assert group.completions == [[5, 2], [7, 8, 10]] and group.finish_reasons == ["stop", "length"] and group.version == 0
+    assert group.completions == [[5, 2], [7, 8, 10]] and group.finish_reasons == ["stop", "length"]
+    assert group.version == 0
     assert parse([output([5, 2], "4"), output([5, 2], "4")], "u").version == 4  # stamped by the server
     # SGLang checks the length limit first: a stop token or string met by the last allowed token says "length"
     at_limit = parse([output([5, 6, 9]), output([7, a, b])], "u")
     assert at_limit.finish_reasons == ["stop", "stop"]
-    assert parse([output([5, a, b], reason={"type": "stop", "matched": "ab"}), output([a, b], reason={"type": "stop", "matched": "ab"})], "u").finish_reasons == ["stop", "stop"]
+    on_string = {"type": "stop", "matched": "ab"}
+    on_strings = parse([output([5, a, b], reason=on_string), output([a, b], reason=on_string)], "u")
+    assert on_strings.finish_reasons == ["stop", "stop"]
     with pytest.raises(MalformedResponse, match="expected a list of 2 outputs, got a list of 1"):
         parse([output([5])], "u")
     with pytest.raises(MalformedResponse, match="several weight versions"):
@@ -444,15 +500,18 @@ def test_parse_checks_every_field():
         parse([output([5], "default"), output([5], "default")], "u")
     unversioned = output([5, 2])
     del unversioned["meta_info"]["weight_version"]
-    with pytest.raises(MalformedResponse, match="sample 1: meta_info has no weight_version"):  # never the pool's own belief
+    # never the pool's own belief
+    with pytest.raises(MalformedResponse, match="sample 1: meta_info has no weight_version"):
         parse([output([5, 2]), unversioned], "u")
     with pytest.raises(MalformedResponse, match="unknown finish_reason"):
         parse([output([5], reason={"type": "eos"}), output([5])], "u")
-    with pytest.raises(MalformedResponse, match=r"sample 0: a 'stop' finish_reason without the token or string it matched"):
+    unmatched = r"sample 0: a 'stop' finish_reason without the token or string it matched"
+    with pytest.raises(MalformedResponse, match=unmatched):
         parse([output([5], reason={"type": "stop"}), output([5])], "u")
     with pytest.raises(MalformedResponse, match="sample 1: finished on token 2, but the completion ends with 5"):
         parse([output([5]), output([5], reason={"type": "stop", "matched": 2})], "u")
-    with pytest.raises(MalformedResponse, match=r"finished on the string 'NaN happened', not one of sampling.stop \('ab',\)"):
+    other_string = r"finished on the string 'NaN happened', not one of sampling.stop \('ab',\)"
+    with pytest.raises(MalformedResponse, match=other_string):
         parse([output([5], reason={"type": "stop", "matched": "NaN happened"}), output([5])], "u")
     with pytest.raises(MalformedResponse, match="finish_reason 'length' after 2 tokens; the limit is 3"):
         parse([output([5, 6], reason={"type": "length", "length": 2}), output([5])], "u")
@@ -484,7 +543,7 @@ def test_stop_strings_and_greedy_give_the_hf_samplers_results(spec):
     reasons = {(r, len(c) == 6) for completions, rs in expected.values() for c, r in zip(completions, rs)}
     assert ("stop", True) in reasons and ("stop", False) in reasons, reasons
 
-    pool = start_pool(spec, sync_method="disk")
+    pool = start_pool(spec, sync=sync_by("disk"))
     try:
         pool.sync_weights(buckets(model), version=0)
         got = {g.prompt_id: (g.completions, g.finish_reasons) for g in pool.generate(requests, with_stop)}
@@ -509,7 +568,8 @@ def test_the_standin_answers_and_refuses_as_sglang_does(saved_model):
         prompt = list(requests_for(0, prompts=1)[0].prompt_tokens)
 
         def post(target, params, seed=3):
-            body = json.dumps({"input_ids": prompt, "sampling_params": {"max_new_tokens": 6, "sampling_seed": seed, **params}, "return_logprob": True})
+            params = {"max_new_tokens": 6, "sampling_seed": seed, **params}
+            body = json.dumps({"input_ids": prompt, "sampling_params": params, "return_logprob": True})
             request = urllib.request.Request(target + "/generate", body.encode(), {"Content-Type": "application/json"})
             try:
                 with urllib.request.urlopen(request, timeout=60) as response:
@@ -518,20 +578,24 @@ def test_the_standin_answers_and_refuses_as_sglang_does(saved_model):
                 return error.code, json.loads(error.read())
 
         # a seed whose 6 tokens are distinct, so that each of them stops the sample at its own place
-        seed, tokens = next((seed, answer["output_ids"]) for seed in range(50) for answer in [post(url, {}, seed)[1]] if len(set(answer["output_ids"])) == 6)
+        answers = ((seed, post(url, {}, seed)[1]["output_ids"]) for seed in range(50))
+        seed, tokens = next((seed, tokens) for seed, tokens in answers if len(set(tokens)) == 6)
         assert post(url, {}, seed)[1]["meta_info"]["finish_reason"] == {"type": "length", "length": 6}
         _, tokenizer = tiny_qwen2()
         text = tokenizer.decode(tokens[:3], skip_special_tokens=True)
-        assert post(url, {"stop": ["@@", text[1:]]}, seed)[1]["meta_info"]["finish_reason"] == {"type": "stop", "matched": text[1:]}
-        assert post(url, {"stop_token_ids": [1, tokens[1]]}, seed)[1]["meta_info"]["finish_reason"] == {"type": "stop", "matched": tokens[1]}
+        def finish(params: dict) -> dict:
+            return post(url, params, seed)[1]["meta_info"]["finish_reason"]
+
+        assert finish({"stop": ["@@", text[1:]]}) == {"type": "stop", "matched": text[1:]}
+        assert finish({"stop_token_ids": [1, tokens[1]]}) == {"type": "stop", "matched": tokens[1]}
         # the last allowed token is a stop token: SGLang checks the length limit first
-        assert post(url, {"stop_token_ids": [1, tokens[5]]}, seed)[1]["meta_info"]["finish_reason"] == {"type": "length", "length": 6}
+        assert finish({"stop_token_ids": [1, tokens[5]]}) == {"type": "length", "length": 6}
         status, refused = post(url, {"stop_strings": ["x"]})
         assert status == 400 and "unknown field(s) ['stop_strings']" in refused["error"]["message"]
         status, refused = post(bare_url, {"stop": ["x"]})
         assert status == 400 and "unavailable when skip_tokenizer_init=True" in refused["error"]["message"]
 
-        pool = SGLangRolloutPool(urls=[bare_url], sync_method="disk")
+        pool = attached([bare_url], "disk")
         try:
             pool.start(spec)
             pool.sync_weights(buckets(model), version=0)
@@ -546,20 +610,64 @@ def test_the_standin_answers_and_refuses_as_sglang_does(saved_model):
 
 
 # ------------------------------------------------------------------------------------------------------
+# the configuration: conf/pool/sglang.yaml and the SGLang experiments build the pool's settings
+# ------------------------------------------------------------------------------------------------------
+SETTINGS = {
+    "servers": ServerSettings, "launch": LaunchSettings, "router": RouterSettings, "sync": SyncSettings,
+    "requests": RequestSettings,
+}
+
+
+def compose_config(*overrides: str):
+    with initialize_config_module(config_module="lit_parl.conf", version_base="1.3"):
+        return compose(config_name="config", overrides=list(overrides))
+
+
+def test_the_pool_config_mirrors_the_settings_with_their_defaults():
+    """``conf/pool/sglang.yaml`` has a node per settings object, with every field, and builds the defaults: the
+    YAML and the code cannot drift apart."""
+    cfg = compose_config("pool=sglang")
+    assert set(cfg.pool) - {"_target_"} == set(SETTINGS) == set(signature(SGLangRolloutPool).parameters)
+    pool = instantiate(cfg.pool)
+    assert type(pool) is SGLangRolloutPool
+    for name, kind in SETTINGS.items():
+        assert set(cfg.pool[name]) - {"_target_"} == {f.name for f in fields(kind)}, name
+        assert getattr(pool, name) == kind(), name
+
+
+def test_the_sglang_experiments_compose_and_build_their_pools():
+    """``+experiment=sglang_one_node``: servers launched on GPUs 1-3 of the trainer's node; ``sglang_nodes``:
+    servers attached behind the router, which the pool cannot build before it is told where they are."""
+    one_node = compose_config("+experiment=sglang_one_node", "model.path=/models/policy")
+    assert one_node.trainer.devices == 1 and one_node.trainer.precision == "bf16-mixed"
+    pool = instantiate(one_node.pool)
+    assert pool.launch.model_path == "/models/policy" and pool.launch.num_servers == 3
+    assert pool._gpus == [[1], [2], [3]] and pool.sync.method == "distributed" and pool.servers.urls is None
+
+    nodes = compose_config("+experiment=sglang_nodes")
+    assert nodes.trainer.devices == 1 and nodes.pool.sync.method == "distributed"
+    with pytest.raises(MissingMandatoryValue, match="urls"):
+        instantiate(nodes.pool)
+    urls = "pool.servers.urls=[http://infer1:30000,http://infer2:30000]"
+    with pytest.raises(MissingMandatoryValue, match="master_address"):
+        instantiate(compose_config("+experiment=sglang_nodes", urls).pool)
+    pool = instantiate(compose_config("+experiment=sglang_nodes", urls, "pool.sync.master_address=10.0.0.1").pool)
+    assert pool.servers == ServerSettings(urls=("http://infer1:30000", "http://infer2:30000"), tp_size=8)
+    assert pool.router.enabled and pool.sync == SyncSettings(method="distributed", master_address="10.0.0.1")
+
+
+# ------------------------------------------------------------------------------------------------------
 # a training run through the backend, with the on-policy checks of the datamodule active
 # ------------------------------------------------------------------------------------------------------
 def test_training_through_the_sglang_pool(tmp_path, monkeypatch):
-    from hydra import compose, initialize_config_module
-
     import lit_parl.cli as cli
 
-    with initialize_config_module(config_module="lit_parl.conf", version_base="1.3"):
-        cfg = compose(config_name="config", overrides=[
-            "pool=sglang", "iterations=3", f"run_dir={tmp_path}", "checkpoint_every=0",
-            "shape.prompts=8", "shape.micro_batch_size=16",
-            "pool.num_servers=2", f"pool.port={free_port(2)}", "pool.sync_method=tensor",
-            f"pool.launch_command=[{STANDIN[0]},{STANDIN[1]}]", "pool.start_timeout_s=120",
-        ])
+    cfg = compose_config(
+        "pool=sglang", "iterations=3", f"run_dir={tmp_path}", "checkpoint_every=0",
+        "shape.prompts=8", "shape.micro_batch_size=16",
+        "pool.launch.num_servers=2", f"pool.launch.port={free_port(2)}", "pool.sync.method=tensor",
+        f"pool.launch.command=[{STANDIN[0]},{STANDIN[1]}]", "pool.launch.start_timeout_s=120",
+    )
     built = {}
     real_build = cli.build
 
@@ -580,8 +688,9 @@ def test_training_through_the_sglang_pool(tmp_path, monkeypatch):
 def test_the_gpu_check_sglang_section_runs_its_sequence_against_the_standin(tmp_path):
     """gpu_check/gpu_check_sglang.py (for GPU boxes with sglang) exercised here with the stand-in."""
     script = Path(__file__).resolve().parents[1] / "gpu_check" / "gpu_check_sglang.py"
-    done = subprocess.run([sys.executable, str(script), "--out", str(tmp_path), "--launch-command", *STANDIN, "--tolerance", "1e-4", "--dtype", "float32"],
-                          capture_output=True, text=True, timeout=300)
+    command = [sys.executable, str(script), "--out", str(tmp_path), "--launch-command", *STANDIN, "--tolerance", "1e-4",
+               "--dtype", "float32"]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     records = {r["check"]: r for r in map(json.loads, (tmp_path / "gpu_check.jsonl").read_text().splitlines())}
     for method, version in [("disk", 0), ("tensor", 1), ("distributed", 2)]:
@@ -594,7 +703,7 @@ def test_the_gpu_check_sglang_section_runs_its_sequence_against_the_standin(tmp_
 def test_a_distributed_sync_refuses_a_group_with_a_dead_member(spec):
     """A broadcast to a group with a dead rank would hang until the NCCL timeout: refused at once instead."""
     model, tokenizer = tiny_qwen2()
-    pool = start_pool(spec, num_servers=2, sync_method="distributed", dist_backend="gloo", dist_master_port=free_port())
+    pool = start_pool(spec, launch={"num_servers": 2}, sync=sync_by())
     try:
         pool.sync_weights(buckets(model), version=0)
         dead = pool._fleet.servers[0]
@@ -614,7 +723,8 @@ def test_generation_through_sglang_router(spec):
     weight updates to each server; close() stops the router and the servers it launched."""
     pytest.importorskip("sglang_router")
     model, tokenizer = tiny_qwen2()
-    pool = start_pool(spec, num_servers=2, router=True, router_port=free_port(), sync_method="disk")
+    router = {"enabled": True, "port": free_port()}
+    pool = start_pool(spec, launch={"num_servers": 2}, router=router, sync=sync_by("disk"))
     pids = pool.launched_pids()
     try:
         assert len(pids) == 3 and pool.health().details["router"] is not None
@@ -623,7 +733,8 @@ def test_generation_through_sglang_router(spec):
         assert sorted(groups) == list(range(6)) and {g.version for g in groups.values()} == {0}
         request = requests_for(0)[0]
         for completion, logprobs in zip(groups[0].completions, groups[0].logprobs):
-            torch.testing.assert_close(torch.tensor(logprobs), trainer_logprobs(model, request.prompt_tokens, completion, 0.7), atol=1e-4, rtol=0)
+            expected = trainer_logprobs(model, request.prompt_tokens, completion, 0.7)
+            torch.testing.assert_close(torch.tensor(logprobs), expected, atol=1e-4, rtol=0)
     finally:
         pool.close()
     assert not any(alive(p) for p in pids)
@@ -641,7 +752,7 @@ def test_each_tensor_parallel_rank_gets_its_own_payload(saved_model, monkeypatch
     monkeypatch.setattr(weights, "serialize_named_tensors", lambda named: calls.append(len(named)) or real(named))
     process, url = launch_standin(model_dir, "--tp-size", "2")
     try:
-        pool = SGLangRolloutPool(urls=[url], sync_method="tensor", tp_size=2)
+        pool = attached([url], tp_size=2)
         try:
             pool.start(spec)
             pool.sync_weights(buckets(model), version=0)
@@ -649,10 +760,11 @@ def test_each_tensor_parallel_rank_gets_its_own_payload(saved_model, monkeypatch
             request = requests_for(0)[0]
             (group,) = pool.generate([request], SAMPLING)
             for completion, logprobs in zip(group.completions, group.logprobs):
-                torch.testing.assert_close(torch.tensor(logprobs), trainer_logprobs(model, request.prompt_tokens, completion, 0.7), atol=1e-4, rtol=0)
+                expected = trainer_logprobs(model, request.prompt_tokens, completion, 0.7)
+                torch.testing.assert_close(torch.tensor(logprobs), expected, atol=1e-4, rtol=0)
         finally:
             pool.close()
-        short = SGLangRolloutPool(urls=[url], sync_method="tensor", tp_size=1)
+        short = attached([url], tp_size=1)
         try:
             short.start(spec)
             with pytest.raises(RuntimeError, match="1 payloads for tp_size 2"):
@@ -689,21 +801,23 @@ def test_cuda_tensors_are_pickled_with_sglangs_device_uuid_patch(monkeypatch):
     assert applied == [True]
     weight_transfer.serialize_named_tensors([("w", torch.zeros(2))])  # CPU tensors: shared-memory files, no patch
     assert applied == [True]
-    weight_transfer.serialize_named_tensors([("w", torch.zeros(2).as_subclass(SaysCUDA))])  # the serializer patches first
+    # the serializer patches first
+    weight_transfer.serialize_named_tensors([("w", torch.zeros(2).as_subclass(SaysCUDA))])
     assert applied == [True, True]
     monkeypatch.setitem(sys.modules, "sglang.srt.utils.patch_torch", None)  # not importable
-    with pytest.raises(ImportError, match=r"sync_method='tensor'\) with CUDA weights needs sglang .* sync_method='distributed'"):
+    refused = r"pool.sync.method='tensor' with CUDA weights needs sglang .* pool.sync.method='distributed'"
+    with pytest.raises(ImportError, match=refused):
         weight_transfer.send_cuda_devices_by_uuid()
 
 
 def test_launched_servers_serve_bfloat16_by_default(spec):
     """SGLang's ``--dtype auto`` serves a float32 checkpoint (what the trainer saves) in float16; the pool asks for
     bfloat16, the trainer's compute precision under bf16-mixed, unless told otherwise."""
-    assert server_command(["sglang"], "m", "h", 1, 1, None, [], dtype="bfloat16")[-2:] == ["--dtype", "bfloat16"]
-    assert "--dtype" not in server_command(["sglang"], "m", "h", 1, 1, None, [], dtype=None)
+    assert server_command(LaunchSettings(command=["sglang"]), "m", 1, 1, False)[-2:] == ["--dtype", "bfloat16"]
+    assert "--dtype" not in server_command(LaunchSettings(command=["sglang"], dtype=None), "m", 1, 1, False)
     with pytest.raises(ValueError, match=r"dtype='bf16'\): SGLang serves one of"):
-        SGLangRolloutPool(dtype="bf16")
-    pool = SGLangRolloutPool(launch_command=STANDIN, port=free_port(), start_timeout_s=120)  # the default dtype
+        SGLangRolloutPool(launch={"dtype": "bf16"})
+    pool = SGLangRolloutPool(launch={"command": STANDIN, "port": free_port(), "start_timeout_s": 120})  # default dtype
     pool.start(spec)
     try:
         with urllib.request.urlopen(pool._fleet.servers[0].url + "/server_info", timeout=10) as answer:
@@ -721,7 +835,8 @@ def test_the_standin_holds_requests_while_paused_and_refuses_a_flush_while_one_r
     process, url = launch_standin(model_dir)
 
     def post(path: str, body: dict, timeout: float = 60):
-        request = urllib.request.Request(url + path, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}, method="POST")
+        headers = {"Content-Type": "application/json"}
+        request = urllib.request.Request(url + path, data=json.dumps(body).encode(), headers=headers, method="POST")
         with urllib.request.urlopen(request, timeout=timeout) as answer:
             return answer.status, answer.read()
 
@@ -735,7 +850,8 @@ def test_the_standin_holds_requests_while_paused_and_refuses_a_flush_while_one_r
             post("/continue_generation", {})
             assert held.result(timeout=30)[0] == 200
             # 500 tokens: the end token asked for (the first stop token id, to the stand-in) is never drawn
-            long = threads.submit(post, "/generate", {**generate, "sampling_params": {"max_new_tokens": 500, "stop_token_ids": [10**6]}})
+            endless = {"max_new_tokens": 500, "stop_token_ids": [10**6]}
+            long = threads.submit(post, "/generate", {**generate, "sampling_params": endless})
             refused = []
             while not long.done() and not refused:  # SGLang refuses while a request runs
                 try:
@@ -758,7 +874,7 @@ def test_a_refused_distributed_update_stops_the_sync_at_once_instead_of_waiting_
 
     model, spec, model_dir = saved_model
     process, url = launch_standin(model_dir, "--refuse-distributed-updates")
-    pool = SGLangRolloutPool(urls=[url], sync_method="distributed", dist_backend="gloo", dist_master_port=free_port())
+    pool = attached([url], "distributed")
     outcome = []
 
     def sync():
@@ -775,9 +891,11 @@ def test_a_refused_distributed_update_stops_the_sync_at_once_instead_of_waiting_
         thread.join(60)
         assert not thread.is_alive(), "the sync still waits on a broadcast the server refused"
         assert time.monotonic() - started < 30
-        assert len(outcome) == 1 and "no weight update group" in str(outcome[0]) and "broadcast was abandoned" in str(outcome[0])
+        assert len(outcome) == 1
+        assert "no weight update group" in str(outcome[0]) and "broadcast was abandoned" in str(outcome[0])
         assert pool.version is None
-        with pytest.raises(RuntimeError, match="left the weight-update group unusable"):  # not a second broadcast into it
+        # not a second broadcast into it
+        with pytest.raises(RuntimeError, match="left the weight-update group unusable"):
             pool.sync_weights(buckets(model), version=0)
     finally:
         pool.close()
@@ -790,11 +908,12 @@ def test_closing_the_pool_destroys_the_servers_side_of_the_weight_update_group(s
     (``/destroy_weights_update_group``), and the next trainer's pool builds a new one and syncs."""
     model, spec, model_dir = saved_model
     process, url = launch_standin(model_dir)
-    destroy = urllib.request.Request(url + "/destroy_weights_update_group", data=json.dumps({"group_name": "lit_parl_weight_update"}).encode(),
+    body = json.dumps({"group_name": "lit_parl_weight_update"}).encode()
+    destroy = urllib.request.Request(url + "/destroy_weights_update_group", data=body,
                                      headers={"Content-Type": "application/json"}, method="POST")
     try:
         for version in range(2):  # two trainers in turn
-            pool = SGLangRolloutPool(urls=[url], sync_method="distributed", dist_backend="gloo", dist_master_port=free_port())
+            pool = attached([url], "distributed")
             try:
                 pool.start(spec)
                 pool.sync_weights(buckets(model), version=version)
@@ -845,7 +964,8 @@ def test_launched_servers_get_their_gpus_as_the_trainer_numbers_them(spec, tmp_p
     launcher.write_text(
         "import glob, json, os, sys, time\n"
         "port = sys.argv[sys.argv.index('--port') + 1]\n"
-        "open(os.path.join(sys.argv[1], f'server-{port}.json'), 'w').write(json.dumps(os.environ.get('CUDA_VISIBLE_DEVICES')))\n"
+        "visible = json.dumps(os.environ.get('CUDA_VISIBLE_DEVICES'))\n"
+        "open(os.path.join(sys.argv[1], f'server-{port}.json'), 'w').write(visible)\n"
         "deadline = time.monotonic() + 30\n"  # both written before either exits (the pool stops the other then)
         "while len(glob.glob(os.path.join(sys.argv[1], 'server-*.json'))) < 2 and time.monotonic() < deadline:\n"
         "    time.sleep(0.05)\n"
@@ -853,8 +973,9 @@ def test_launched_servers_get_their_gpus_as_the_trainer_numbers_them(spec, tmp_p
     )
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3,5,7")
     port = free_port(2)
-    pool = SGLangRolloutPool(launch_command=[sys.executable, str(launcher), str(tmp_path)], num_servers=2, gpu_ids=[[2], [0]],
-                             port=port, start_timeout_s=60)
+    launch = {"command": [sys.executable, str(launcher), str(tmp_path)], "num_servers": 2, "gpu_ids": [[2], [0]],
+              "port": port, "start_timeout_s": 60}
+    pool = SGLangRolloutPool(launch=launch)
     try:
         with pytest.raises(RuntimeError, match="exited with code 3 while starting"):
             pool.start(spec)

@@ -27,7 +27,7 @@ import torch
 
 from lit_parl.models import tiny_qwen2
 from lit_parl.rollout import PoolSpec
-from lit_parl.rollout.sglang import SGLangRolloutPool
+from lit_parl.rollout.sglang import SGLangRolloutPool, SyncSettings
 from lit_parl.rollout.sglang.client import HTTPClient
 from lit_parl.rollout.records import GroupRequest, SamplingParams, sample_seed
 from sglang_contract.sglang_side import ServerSide, Verdict
@@ -42,7 +42,9 @@ STOP_STRING = "ab"
 SAMPLINGS = {
     "sampled": SamplingParams(max_new_tokens=5, temperature=0.7),
     "greedy": SamplingParams(max_new_tokens=5, temperature=0.0),
-    "filtered": SamplingParams(max_new_tokens=6, temperature=1.0, top_k=5, top_p=0.9, stop_token_ids=(STOP_TOKEN,), stop=(STOP_STRING,)),
+    "filtered": SamplingParams(
+        max_new_tokens=6, temperature=1.0, top_k=5, top_p=0.9, stop_token_ids=(STOP_TOKEN,), stop=(STOP_STRING,)
+    ),
 }
 
 
@@ -136,8 +138,8 @@ def run_pools(spec: PoolSpec, server_side: ServerSide) -> Run:
         model, _ = tiny_qwen2(seed=10 + version)  # other weights at each version
         named = list(model.named_parameters())
         run.weights[version] = {name: t.detach().clone() for name, t in named}
-        run.sync_methods[version] = pool.sync_method
-        run.phase = f"sync:{pool.sync_method}:{version}"
+        run.sync_methods[version] = pool.sync.method
+        run.phase = f"sync:{pool.sync.method}:{version}"
         pool.sync_weights([named[i : i + 5] for i in range(0, len(named), 5)], version=version)
         assert pool.version == version
 
@@ -151,10 +153,11 @@ def run_pools(spec: PoolSpec, server_side: ServerSide) -> Run:
 
     with recording(run, server_side):
         launched = SGLangRolloutPool(
-            launch_command=STANDIN, port=free_port(), tp_size=TP_SIZE, mem_fraction_static=0.5, sync_method="tensor",
-            start_timeout_s=180,
+            servers={"tp_size": TP_SIZE},
+            launch={"command": STANDIN, "port": free_port(), "mem_fraction_static": 0.5, "start_timeout_s": 180},
+            sync={"method": "tensor"},
         )
-        run.group_name = launched.group_name
+        run.group_name = launched.sync.group_name
         launched.start(spec)
         try:
             sync(launched, 0)
@@ -167,8 +170,8 @@ def run_pools(spec: PoolSpec, server_side: ServerSide) -> Run:
             # (tp_size=1): the stand-in joins the group with one rank whatever its --tp-size
             for method, version, tp_size in (("disk", 2, TP_SIZE), ("distributed", 3, 1)):
                 run.phase = "start"
-                attached = SGLangRolloutPool(urls=[url], sync_method=method, tp_size=tp_size, dist_backend="gloo",
-                                             dist_master_port=free_port())
+                sync_settings = SyncSettings(method=method, backend="gloo", master_port=free_port())
+                attached = SGLangRolloutPool(servers={"urls": [url], "tp_size": tp_size}, sync=sync_settings)
                 attached.start(spec)
                 try:
                     sync(attached, version)

@@ -5,7 +5,8 @@ sglang-router, as pinned in requirements.txt), without launching anything.
   exits; each server's arguments go through ``sglang.srt.server_args.prepare_server_args`` (what
   ``python -m sglang.launch_server`` runs on ``sys.argv[1:]``) and must give the intended ``ServerArgs``
   (model, host, port per server, ``tp_size``, ``mem_fraction_static``, ``dtype``,
-  ``enable_deterministic_inference``, extra ``server_args``), GPUs handed out through ``CUDA_VISIBLE_DEVICES``.
+  ``enable_deterministic_inference``, extra ``LaunchSettings.args``), GPUs handed out through
+  ``CUDA_VISIBLE_DEVICES``.
 * The pool's ``dtype`` choices are SGLang's ``--dtype`` choices.
 * The key the pool reads from ``/server_info`` to tell whether seeds are honoured is in what SGLang's
   ``/server_info`` reports (``build_server_info`` of those ``ServerArgs``).
@@ -31,8 +32,9 @@ from sglang.srt.utils.common import build_server_info  # noqa: E402
 from sglang.srt.utils.msgspec_utils import msgspec_to_builtins  # noqa: E402
 from sglang_router.launch_router import parse_router_args  # noqa: E402
 
-from lit_parl.rollout.sglang import SGLangRolloutPool  # noqa: E402
-from lit_parl.rollout.sglang.servers import SERVER_DTYPES, Server, router_command, server_command  # noqa: E402
+from lit_parl.rollout.sglang import LaunchSettings, SGLangRolloutPool  # noqa: E402
+from lit_parl.rollout.sglang.servers import Server, router_command, server_command  # noqa: E402
+from lit_parl.rollout.sglang.settings import SERVER_DTYPES  # noqa: E402
 from sglang_contract.pool_run import free_port  # noqa: E402
 
 # a launch command that writes down what it was given, then exits (the pool then reports the exit)
@@ -47,7 +49,7 @@ sys.exit(3)
 
 
 def test_the_default_launch_command_is_sglangs_launcher_parsing_its_arguments_with_prepare_server_args():
-    assert SGLangRolloutPool().launch_command == [sys.executable, "-m", "sglang.launch_server"]
+    assert SGLangRolloutPool().launch.command == (sys.executable, "-m", "sglang.launch_server")
     assert "prepare_server_args(sys.argv[1:])" in inspect.getsource(sglang.launch_server)
 
 
@@ -55,10 +57,11 @@ def test_launched_servers_get_arguments_sglang_parses_into_the_intended_server_a
     script = tmp_path / "write_down.py"
     script.write_text(WRITE_DOWN)
     port = free_port()
-    pool = SGLangRolloutPool(
-        launch_command=[sys.executable, str(script), str(tmp_path)], num_servers=2, tp_size=2, port=port,
-        gpu_ids=[4, 5, 6, 7], mem_fraction_static=0.55, server_args=["--random-seed", "7"], start_timeout_s=60,
+    launch = LaunchSettings(
+        command=[sys.executable, str(script), str(tmp_path)], num_servers=2, port=port, gpu_ids=[4, 5, 6, 7],
+        mem_fraction_static=0.55, args=["--random-seed", "7"], start_timeout_s=60,
     )
+    pool = SGLangRolloutPool(servers={"tp_size": 2}, launch=launch)
     try:
         with pytest.raises(RuntimeError, match="exited with code 3 while starting"):
             pool.start(spec)
@@ -79,7 +82,7 @@ def test_deterministic_inference_reaches_server_args_and_server_info_where_the_p
     """The pool's ``deterministic_inference`` sets SGLang's ``enable_deterministic_inference``, and an attached server's
     ``/server_info`` (``build_server_info``, as http_server.py's ``server_info`` serves it) says so in the key the
     pool reads: no warning with the flag, a warning naming the server without it."""
-    command = server_command(["sglang"], "/models/policy", "127.0.0.1", 30000, 1, None, [], deterministic, "bfloat16")
+    command = server_command(LaunchSettings(command=["sglang"]), "/models/policy", 30000, 1, deterministic)
     args = prepare_server_args(command[1:])
     assert args.enable_deterministic_inference is deterministic
     info = msgspec_to_builtins(build_server_info(args, {}))
@@ -92,7 +95,7 @@ def test_deterministic_inference_reaches_server_args_and_server_info_where_the_p
             assert path == "/server_info"
             return json.loads(json.dumps(info, default=str))
 
-    pool = SGLangRolloutPool(urls=["http://sglang:30000"])
+    pool = SGLangRolloutPool(servers={"urls": ["http://sglang:30000"]})
     pool._client = Client()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -108,7 +111,8 @@ def test_the_pools_dtypes_and_flags_are_sglangs():
     ServerArgs.add_cli_args(parser)
     options = {option: action for action in parser._actions for option in action.option_strings}
     assert set(SERVER_DTYPES) <= set(options["--dtype"].choices)
-    for flag in ("--model-path", "--host", "--port", "--tp-size", "--mem-fraction-static", "--dtype", "--enable-deterministic-inference"):
+    flags = ("--model-path", "--host", "--port", "--tp-size", "--mem-fraction-static", "--dtype")
+    for flag in (*flags, "--enable-deterministic-inference"):
         assert flag in options, flag  # server_command's flags
     with pytest.raises(SystemExit):  # what the stand-in copies: an unknown flag stops the server
         prepare_server_args(["--model-path", "m", "--no-such-flag"])

@@ -3,7 +3,10 @@
 The pool launches ``python -m sglang.launch_server`` subprocesses (or attaches to running servers by URL)
 and talks to them through SGLang's native HTTP API. One job per module:
 
-- ``pool``: ``SGLangRolloutPool``, the rollout protocol from ``start`` to ``close``.
+- ``sglang_pool``: ``SGLangRolloutPool``, the rollout protocol from ``start`` to ``close``.
+- ``settings``: what the pool is told, one dataclass per concern: the servers (``ServerSettings``), how it
+  launches them (``LaunchSettings``), the router (``RouterSettings``), the weight sync (``SyncSettings``),
+  and its HTTP requests (``RequestSettings``).
 - ``servers``: launching, attaching, health-checking and stopping servers and the router.
 - ``client``: the asyncio loop, the aiohttp session, and retries on another server.
 - ``weights``: the three ways of syncing weights (``tensor``, ``distributed``, ``disk``), each confirmed
@@ -22,10 +25,10 @@ top-p (the draw is from the filtered one), as the trainer computes them; ``SGLAN
 would make them pre-temperature, so the pool refuses to launch servers with it set.
 
 Failures: a request that fails (connection refused or reset, timeout, 5xx, an aborted sample) is sent
-again to another live server, at most ``max_retries`` times; a server that fails its health check is
-dropped. A group is handed over once, whatever the retries. With no live server left, or a malformed
-answer, ``generate`` raises with the server's URL; nothing is silently lost. ``router=True`` puts
-``sglang_router`` in front of the servers for generation. ``close()`` stops exactly what the pool
+again to another live server, at most ``RequestSettings.max_retries`` times; a server that fails its health
+check is dropped. A group is handed over once, whatever the retries. With no live server left, or a malformed
+answer, ``generate`` raises with the server's URL; nothing is silently lost. ``RouterSettings(enabled=True)``
+puts ``sglang_router`` in front of the servers for generation. ``close()`` stops exactly what the pool
 launched (servers, router, their process groups) and leaves attached servers running.
 
 SGLang needs a GPU; on a CPU machine the tests run this pool against a stand-in server
@@ -34,7 +37,7 @@ SGLang needs a GPU; on a CPU machine the tests run this pool against a stand-in 
 Example (on a GPU node with ``pip install lit-parl[sglang]``; ``model_dir`` holds the policy saved with
 ``save_pretrained`` and its tokenizer)::
 
-    pool = SGLangRolloutPool(num_servers=2, tp_size=1, sync_method="tensor", mem_fraction_static=0.6)
+    pool = SGLangRolloutPool(launch=LaunchSettings(num_servers=2, mem_fraction_static=0.6), sync=SyncSettings("tensor"))
     pool.start(PoolSpec(model_dir, eos_id=tokenizer.eos_token_id, pad_id=tokenizer.pad_token_id))
     pool.sync_weights([list(policy.named_parameters())], version=0)
     for group in pool.generate(requests, SamplingParams(max_new_tokens=512)):
@@ -44,7 +47,24 @@ Example (on a GPU node with ``pip install lit-parl[sglang]``; ``model_dir`` hold
 
 from lit_parl.rollout.sglang.client import ServerError
 from lit_parl.rollout.sglang.messages import MalformedResponse
+from lit_parl.rollout.sglang.settings import (
+    SYNC_METHODS,
+    LaunchSettings,
+    RequestSettings,
+    RouterSettings,
+    ServerSettings,
+    SyncSettings,
+)
 from lit_parl.rollout.sglang.sglang_pool import SGLangRolloutPool
-from lit_parl.rollout.sglang.weights import SYNC_METHODS
 
-__all__ = ["SYNC_METHODS", "MalformedResponse", "SGLangRolloutPool", "ServerError"]
+__all__ = [
+    "SYNC_METHODS",
+    "LaunchSettings",
+    "MalformedResponse",
+    "RequestSettings",
+    "RouterSettings",
+    "SGLangRolloutPool",
+    "ServerError",
+    "ServerSettings",
+    "SyncSettings",
+]

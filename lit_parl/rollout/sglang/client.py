@@ -77,7 +77,8 @@ class HTTPClient:
         import aiohttp
 
         try:
-            async with self._session.request(method, url, json=payload, timeout=aiohttp.ClientTimeout(total=timeout)) as response:
+            timeouts = aiohttp.ClientTimeout(total=timeout)
+            async with self._session.request(method, url, json=payload, timeout=timeouts) as response:
                 body = await response.read()
                 if response.status >= 500:
                     raise ServerError(f"{method} {url}: HTTP {response.status}: {body[:200]!r}")
@@ -126,9 +127,8 @@ async def post_with_retries(
     while True:
         server = fleet.pick()
         if server is None:
-            raise RuntimeError(
-                f"{what}: no live SGLang server left (all of {[s.url for s in fleet.servers]} failed); errors: {errors[-3:]}"
-            )
+            everyone = [s.url for s in fleet.servers]
+            raise RuntimeError(f"{what}: no live SGLang server left (all of {everyone} failed); errors: {errors[-3:]}")
         target = fleet.router or server  # with a router, it balances; `server` only keeps the books
         server.in_flight += 1
         server.busy_from = server.busy_from or time.monotonic()

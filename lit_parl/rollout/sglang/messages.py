@@ -53,15 +53,23 @@ class Ends:
         kind, matched = reason.get("type"), reason.get("matched")
         if kind == "stop":
             if isinstance(matched, bool) or not isinstance(matched, (str, int)):
-                raise MalformedResponse(f"{where}: a 'stop' finish_reason without the token or string it matched: {reason}")
+                raise MalformedResponse(
+                    f"{where}: a 'stop' finish_reason without the token or string it matched: {reason}"
+                )
             if isinstance(matched, str) and matched not in self.strings:  # "NaN happened" is one
-                raise MalformedResponse(f"{where}: finished on the string {matched!r}, not one of sampling.stop {self.strings}")
+                raise MalformedResponse(
+                    f"{where}: finished on the string {matched!r}, not one of sampling.stop {self.strings}"
+                )
             if isinstance(matched, int) and matched != tokens[-1]:
-                raise MalformedResponse(f"{where}: finished on token {matched}, but the completion ends with {tokens[-1]}")
+                raise MalformedResponse(
+                    f"{where}: finished on token {matched}, but the completion ends with {tokens[-1]}"
+                )
             return "stop"
         if kind == "length":
             if len(tokens) != self.max_new_tokens:
-                raise MalformedResponse(f"{where}: finish_reason 'length' after {len(tokens)} tokens; the limit is {self.max_new_tokens}")
+                raise MalformedResponse(
+                    f"{where}: finish_reason 'length' after {len(tokens)} tokens; the limit is {self.max_new_tokens}"
+                )
             # SGLang checks the limit before the stop conditions: the last allowed token may have met one
             if tokens[-1] in self.token_ids or (self.strings and any(s in self.decode(tokens) for s in self.strings)):
                 return "stop"
@@ -134,7 +142,9 @@ def parse_group(request: GroupRequest, answers: list, url: str, ends: Ends) -> G
             )
         versions.add(meta["weight_version"])
     if len(versions) != 1:
-        raise MalformedResponse(f"{url}: the samples of prompt {request.prompt_id} report several weight versions {sorted(versions)}")
+        raise MalformedResponse(
+            f"{url}: the samples of prompt {request.prompt_id} report several weight versions {sorted(versions)}"
+        )
     reported = versions.pop()
     try:
         version = int(reported)

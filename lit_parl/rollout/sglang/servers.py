@@ -15,11 +15,16 @@ import subprocess
 import sys
 import time
 import warnings
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from lit_parl.rollout.processes import die_with_parent
 from lit_parl.rollout.sglang.client import RETRYABLE, HTTPClient
+
+if TYPE_CHECKING:
+    from lit_parl.rollout.sglang.settings import LaunchSettings
 
 
 @dataclass
@@ -60,39 +65,29 @@ def check_server_env(env: dict[str, str]) -> None:
         )
 
 
-SERVER_DTYPES = ("auto", "half", "float16", "bfloat16", "float", "float32")  # sglang.launch_server --dtype
-
-
 def server_command(
-    launch_command: list[str],
-    model_path: str,
-    host: str,
-    port: int,
-    tp_size: int,
-    mem_fraction_static: float | None,
-    server_args: list[str],
-    deterministic_inference: bool = False,
-    dtype: str | None = None,
+    launch: LaunchSettings, model_path: str, port: int, tp_size: int, deterministic_inference: bool
 ) -> list[str]:
-    """``sglang.launch_server``'s command line.
+    """``sglang.launch_server``'s command line for the server at ``port``.
 
     Prompts and completions are token ids, but the server loads the model directory's tokenizer: SGLang
     matches stop strings in decoded text and refuses them under ``--skip-tokenizer-init``. SGLang honours a
     request's ``sampling_seed`` only under ``--enable-deterministic-inference``.
     """
-    command = [*launch_command, "--model-path", model_path, "--host", host, "--port", str(port)]
+    command = [*launch.command, "--model-path", model_path, "--host", launch.host, "--port", str(port)]
     command += ["--tp-size", str(tp_size)]
-    if mem_fraction_static is not None:
-        command += ["--mem-fraction-static", str(mem_fraction_static)]
-    if dtype is not None and "--dtype" not in server_args:
-        command += ["--dtype", dtype]
-    if deterministic_inference and "--enable-deterministic-inference" not in server_args:
+    if launch.mem_fraction_static is not None:
+        command += ["--mem-fraction-static", str(launch.mem_fraction_static)]
+    if launch.dtype is not None and "--dtype" not in launch.args:
+        command += ["--dtype", launch.dtype]
+    if deterministic_inference and "--enable-deterministic-inference" not in launch.args:
         command.append("--enable-deterministic-inference")
-    return command + list(server_args)
+    return command + list(launch.args)
 
 
-def router_command(urls: list[str], host: str, port: int, router_args: list[str]) -> list[str]:
-    return [sys.executable, "-m", "sglang_router.launch_router", "--worker-urls", *urls, "--host", host, "--port", str(port), *router_args]
+def router_command(urls: list[str], host: str, port: int, router_args: Sequence[str]) -> list[str]:
+    launcher = [sys.executable, "-m", "sglang_router.launch_router"]
+    return [*launcher, "--worker-urls", *urls, "--host", host, "--port", str(port), *router_args]
 
 
 class ServerFleet:
@@ -126,7 +121,10 @@ class ServerFleet:
         log_path = self.workdir / log_name
         with open(log_path, "wb") as log:
             # a session of its own: stop_launched stops the server's whole process tree with one signal
-            process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True, preexec_fn=die_with_parent)
+            process = subprocess.Popen(
+                command, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True,
+                preexec_fn=die_with_parent,
+            )
         return Server(url=url, process=process, log_path=log_path)
 
     def wait_healthy(self, client: HTTPClient, server: Server, timeout_s: float) -> None:
@@ -145,8 +143,12 @@ class ServerFleet:
             except RETRYABLE as error:
                 last = f"{type(error).__name__}: {error}"
             time.sleep(0.5)
-        launched = f" Last lines of {server.log_path}:\n{log_tail(server.log_path)}" if server.process is not None else ""
-        raise RuntimeError(f"SGLang server {server.url} is not healthy after {timeout_s:.0f} s (GET /health: {last}).{launched}")
+        launched = ""
+        if server.process is not None:
+            launched = f" Last lines of {server.log_path}:\n{log_tail(server.log_path)}"
+        raise RuntimeError(
+            f"SGLang server {server.url} is not healthy after {timeout_s:.0f} s (GET /health: {last}).{launched}"
+        )
 
     def live(self) -> list[Server]:
         return [s for s in self.servers if s.alive]
@@ -168,7 +170,8 @@ class ServerFleet:
                 dead = True
         if dead and server.alive:
             server.alive = False
-            warnings.warn(f"SGLang server {server.url} is down; its requests go to the other servers", RuntimeWarning, stacklevel=2)
+            message = f"SGLang server {server.url} is down; its requests go to the other servers"
+            warnings.warn(message, RuntimeWarning, stacklevel=2)
 
     def pids(self) -> list[int]:
         """Process ids of what was launched (router included)."""

@@ -5,8 +5,7 @@ every server reports (``weight_version`` of ``/model_info``; every server must r
 the sync fails) and ``/continue_generation``. Current SGLang refuses tensor and distributed updates outside
 a weight-update session, so those run between ``/begin_weight_update`` and ``/end_weight_update``. A
 server without those routes (an SGLang from before them, told by its 404, never guessed) takes the updates
-as they come and reports its version at ``/get_weight_version``. The methods
-(``SGLangRolloutPool(sync_method=...)``):
+as they come and reports its version at ``/get_weight_version``. The methods (``SyncSettings.method``):
 
 - ``tensor``: ``/update_weights_from_tensor`` per bucket, the tensors passed as CUDA IPC handles (or
   shared-memory files for CPU tensors), pickled once per tensor-parallel rank of each server, devices
@@ -35,9 +34,14 @@ import torch
 from lit_parl.rollout.rollout_pool import WeightBucket
 from lit_parl.rollout.sglang.client import HTTPClient, RouteNotFound
 from lit_parl.rollout.sglang.servers import Server
-from lit_parl.rollout.weight_transfer import BroadcastAbandoned, broadcast_from_trainer, init_weight_update_group, save_shard, serialize_named_tensors
-
-SYNC_METHODS = ("tensor", "distributed", "disk")
+from lit_parl.rollout.sglang.settings import SYNC_METHODS, SyncSettings
+from lit_parl.rollout.weight_transfer import (
+    BroadcastAbandoned,
+    broadcast_from_trainer,
+    init_weight_update_group,
+    save_shard,
+    serialize_named_tensors,
+)
 
 
 class WeightUpdater:
@@ -48,44 +52,42 @@ class WeightUpdater:
         model_dir: the model directory whose ``config.json`` goes beside disk checkpoints.
         sync_dir: the root of the ``disk`` checkpoints (``version_<k>`` below it).
         tp_size: tensor-parallel ranks per server (each gets its share of a ``tensor`` update).
-        dist_master_address, dist_master_port, dist_backend, group_name: the ``distributed`` method's
-            process group (the trainer is rank 0 and hosts its rendezvous).
+        settings: where the ``distributed`` method's process group meets, its backend and its name (the trainer
+            is rank 0 and hosts the rendezvous); the method is each ``sync``'s own.
     """
 
     def __init__(
-        self,
-        client: HTTPClient,
-        model_dir: str | Path,
-        sync_dir: str | Path,
-        tp_size: int,
-        dist_master_address: str,
-        dist_master_port: int,
-        dist_backend: str,
-        group_name: str,
+        self, client: HTTPClient, model_dir: str | Path, sync_dir: str | Path, tp_size: int, settings: SyncSettings
     ) -> None:
         self.client = client
         self.model_dir = Path(model_dir)
         self.sync_dir = Path(sync_dir)
         self.tp_size = tp_size
-        self.dist = (dist_master_address, dist_master_port, dist_backend)
-        self.group_name = group_name
+        self.dist = (settings.master_address, settings.master_port, settings.backend)
+        self.group_name = settings.group_name
         self.group = None  # the weight-update process group, once the distributed method built it
         self.abandoned = False  # a refused update left a broadcast pending in the group
 
-    def sync(self, method: str, servers: list[Server], everyone: list[Server], buckets: Iterable[WeightBucket], version: int) -> None:
+    def sync(
+        self, method: str, servers: list[Server], everyone: list[Server], buckets: Iterable[WeightBucket], version: int
+    ) -> None:
         """Load ``buckets`` as ``version`` on the live ``servers`` (of ``everyone`` the pool drives); confirm it."""
         if method not in SYNC_METHODS:
-            raise ValueError(f"SGLangRolloutPool(sync_method={method!r}): choose one of {SYNC_METHODS}")
+            raise ValueError(f"SyncSettings(method={method!r}): choose one of {SYNC_METHODS}")
         if not servers:
             raise RuntimeError(f"no live SGLang server to sync version {version} to; down: {[s.url for s in everyone]}")
         if method == "distributed" and self.abandoned:
-            raise RuntimeError("a refused distributed update left the weight-update group unusable: restart the servers and resume from the last checkpoint")
+            raise RuntimeError(
+                "a refused distributed update left the weight-update group unusable: restart the servers and resume "
+                "from the last checkpoint"
+            )
         if method == "distributed" and self.group is not None and len(servers) < len(everyone):
             # a broadcast to a group with a dead member would hang until the NCCL timeout
             down = [s.url for s in everyone if not s.alive]
             raise RuntimeError(
-                f"SGLang server(s) {down} left the weight-update group: the distributed sync cannot go on. Resume from the "
-                "last checkpoint with the servers restarted, or use SGLangRolloutPool(sync_method='disk'), which tolerates losing a server"
+                f"SGLang server(s) {down} left the weight-update group: the distributed sync cannot go on. Resume "
+                "from the last checkpoint with the servers restarted, or use SyncSettings(method='disk'), which "
+                "tolerates losing a server"
             )
         run = self.client.run
         run(self._each(servers, lambda s: self.client.post(s.url, "/pause_generation", {})))
@@ -123,8 +125,10 @@ class WeightUpdater:
 
         def payload() -> dict:
             # one payload per tensor-parallel rank of each server, each pickled on its own: every rank unpickles
-            # only its own (SGLang's TpModelWorker.deserialize_own_rank), and a CUDA IPC handle is counted per unpickling
-            return {"serialized_named_tensors": [serialize_named_tensors(shared) for _ in range(self.tp_size)], **fields}
+            # only its own (SGLang's TpModelWorker.deserialize_own_rank), and a CUDA IPC handle is counted per
+            # unpickling
+            payloads = [serialize_named_tensors(shared) for _ in range(self.tp_size)]
+            return {"serialized_named_tensors": payloads, **fields}
 
         self.client.run(self._each(servers, lambda s: self._update(s, "/update_weights_from_tensor", payload())))
 
@@ -137,7 +141,8 @@ class WeightUpdater:
             **fields,
         }
         # the servers receive while this thread sends: the requests go first, the broadcast meets them
-        updates = self.client.submit(self._each(servers, lambda s: self._update(s, "/update_weights_from_distributed", payload)))
+        update = "/update_weights_from_distributed"
+        updates = self.client.submit(self._each(servers, lambda s: self._update(s, update, payload)))
 
         def refused() -> BaseException | None:  # a server that fails its request will not join the broadcast
             error = updates.exception() if updates.done() else None
@@ -157,7 +162,10 @@ class WeightUpdater:
     def _init_group(self, servers: list[Server], everyone: list[Server]) -> None:
         address, port, backend = self.dist
         world_size = 1 + self.tp_size * len(everyone)
-        body = {"master_address": address, "master_port": port, "world_size": world_size, "group_name": self.group_name, "backend": backend}
+        body = {
+            "master_address": address, "master_port": port, "world_size": world_size,
+            "group_name": self.group_name, "backend": backend,
+        }
 
         def join(server: Server):
             offset = 1 + self.tp_size * everyone.index(server)  # rank 0 is the trainer
@@ -236,8 +244,8 @@ class WeightUpdater:
         wrong = [(s.url, got) for s, got in zip(servers, reported) if got != str(version)]
         if wrong:
             raise RuntimeError(
-                f"weight sync to version {version} was not confirmed: the servers reported {wrong} (url, weight_version). "
-                "Refusing to generate with unknown weights."
+                f"weight sync to version {version} was not confirmed: the servers reported {wrong} "
+                "(url, weight_version). Refusing to generate with unknown weights."
             )
         await self._each(servers, lambda s: self.client.post(s.url, "/continue_generation", {}))
 
@@ -257,7 +265,8 @@ class WeightUpdater:
             payload = {"group_name": self.group_name}
 
             async def destroy_each():  # quietly: a server may be gone already
-                calls = (self.client.post(s.url, "/destroy_weights_update_group", payload, timeout=10.0) for s in servers)
+                destroy = "/destroy_weights_update_group"
+                calls = (self.client.post(s.url, destroy, payload, timeout=10.0) for s in servers)
                 await asyncio.gather(*calls, return_exceptions=True)
 
             self.client.run(destroy_each())

@@ -1,0 +1,181 @@
+"""The SGLang pool's settings, one small frozen dataclass per concern.
+
+``SGLangRolloutPool`` takes each as the object or as a dict of its fields (what Hydra gives for a node without
+``_target_``, and what JSON gives); ``None`` is the defaults. ``conf/pool/sglang.yaml`` mirrors them node by node.
+
+>>> from dataclasses import replace
+>>> sync = SyncSettings(method="distributed", master_address="10.0.0.1")
+>>> sync.master_port, replace(sync, method="disk").method
+(29650, 'disk')
+>>> ServerSettings(urls=["http://infer1:30000/"]).urls
+('http://infer1:30000',)
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+SERVER_DTYPES = ("auto", "half", "float16", "bfloat16", "float", "float32")  # sglang.launch_server --dtype
+SYNC_METHODS = ("tensor", "distributed", "disk")  # lit_parl.rollout.sglang.weights
+
+Settings = TypeVar("Settings")
+
+
+def as_settings(kind: type[Settings], value: Settings | dict[str, Any] | None) -> Settings:
+    """A settings object from itself, a dict of its fields (Hydra, JSON) or ``None`` (the defaults)."""
+    return value if isinstance(value, kind) else kind(**(value or {}))
+
+
+def _frozen(value):
+    """Lists (Hydra's ``ListConfig`` too), nested ones included, as tuples: the settings are frozen and hashable."""
+    if isinstance(value, Sequence) and not isinstance(value, str):
+        return tuple(_frozen(item) for item in value)
+    return value
+
+
+@dataclass(frozen=True)
+class ServerSettings:
+    """Which SGLang servers generate: running ones to attach to, or ones the pool launches (``LaunchSettings``).
+
+    Args:
+        urls: running servers to attach to, ``http://host:port`` each; the pool never stops them. ``None``:
+            launch ``LaunchSettings.num_servers`` servers.
+        tp_size: tensor-parallel GPUs per server, of attached servers too: a ``tensor`` sync sends each rank a
+            payload of its own, and a ``distributed`` one gives each rank a place in the weight-update group.
+        deterministic_inference: each sample carries its own ``sampling_seed``, which SGLang honours only on a
+            server started with ``--enable-deterministic-inference`` (slower kernels): launched servers get the
+            flag, and an attached server without it is named in a warning, since its samples then do not follow
+            their seeds (a retried sample, or an iteration regenerated after a resume, differs). ``False``: no
+            flag, no warning.
+        attach_timeout_s: how long an attached server may take to answer ``/health`` when the pool starts.
+    """
+
+    urls: tuple[str, ...] | None = None
+    tp_size: int = 1
+    deterministic_inference: bool = True
+    attach_timeout_s: float = 10.0
+
+    def __post_init__(self) -> None:
+        if self.urls is not None:
+            if isinstance(self.urls, str) or not self.urls:
+                raise ValueError(
+                    f"ServerSettings(urls={self.urls!r}): give a list of server URLs, or None to launch servers"
+                )
+            object.__setattr__(self, "urls", tuple(url.rstrip("/") for url in self.urls))
+
+
+@dataclass(frozen=True)
+class LaunchSettings:
+    """How the pool launches its servers (and the router), when ``ServerSettings.urls`` is unset.
+
+    Args:
+        num_servers: servers to launch; server ``i`` listens on ``port + i``.
+        model_path: what they load (a local directory or hub name); ``None``: the ``PoolSpec``'s model
+            directory. The first sync brings the trainer's weights either way.
+        host: where launched servers and the router listen, and where the pool reaches them.
+        port: the first server's port.
+        gpu_ids: each server's GPUs, set as its ``CUDA_VISIBLE_DEVICES``: a list per server, or a flat list handed
+            out ``ServerSettings.tp_size`` at a time, exactly ``num_servers * tp_size`` ids; an integer is a GPU as
+            the trainer numbers them (``lit_parl.rollout.gpu_placement``, as the vLLM pool reads them). ``None``:
+            SGLang's default placement. A ``tensor`` sync needs the trainer's GPU visible to the server.
+        dtype: the servers' ``--dtype``: ``bfloat16``, the trainer's compute precision under ``bf16-mixed``.
+            SGLang's own default, ``auto``, serves a float32 checkpoint (the trainer saves one) in float16.
+            ``None``: no flag.
+        mem_fraction_static: SGLang's ``--mem-fraction-static`` (lower it when the trainer shares the GPU).
+        args: more ``sglang.launch_server`` arguments, e.g. ``["--attention-backend", "fa3"]``.
+        command: what runs a server, before its arguments; ``None``: ``python -m sglang.launch_server`` with
+            this Python (the tests use a stand-in).
+        start_timeout_s: how long a launched server, or the router, may take to answer ``/health``.
+    """
+
+    num_servers: int = 1
+    model_path: str | None = None
+    host: str = "127.0.0.1"
+    port: int = 30000
+    gpu_ids: tuple | None = None
+    dtype: str | None = "bfloat16"
+    mem_fraction_static: float | None = None
+    args: tuple[str, ...] = ()
+    command: tuple[str, ...] | None = None
+    start_timeout_s: float = 900.0
+
+    def __post_init__(self) -> None:
+        if self.num_servers < 1:
+            raise ValueError(f"LaunchSettings(num_servers={self.num_servers}): at least one server is needed")
+        if self.dtype is not None and self.dtype not in SERVER_DTYPES:
+            raise ValueError(f"LaunchSettings(dtype={self.dtype!r}): SGLang serves one of {SERVER_DTYPES}")
+        object.__setattr__(self, "gpu_ids", _frozen(self.gpu_ids))
+        object.__setattr__(self, "args", _frozen(self.args))
+        command = _frozen(self.command) if self.command else (sys.executable, "-m", "sglang.launch_server")
+        object.__setattr__(self, "command", command)
+
+
+@dataclass(frozen=True)
+class RouterSettings:
+    """``sglang_router`` in front of the servers, launched by the pool on ``LaunchSettings.host``.
+
+    Generation goes through the router, which balances it; weight updates still go to every server, so that
+    each one's version is confirmed.
+
+    Args:
+        enabled: launch the router (in front of launched and attached servers alike).
+        port: where it listens.
+        args: more ``sglang_router.launch_router`` arguments, e.g. ``["--policy", "round_robin"]``.
+    """
+
+    enabled: bool = False
+    port: int = 30100
+    args: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "args", _frozen(self.args))
+
+
+@dataclass(frozen=True)
+class SyncSettings:
+    """How the trainer's weights reach the servers each iteration (``lit_parl.rollout.sglang.weights``).
+
+    Args:
+        method: ``tensor`` (CUDA IPC handles: the servers on the trainer's node), ``distributed`` (an NCCL
+            broadcast: servers on other GPUs or nodes) or ``disk`` (safetensors files in ``dir``).
+        dir: ``disk``: a directory every server can read; ``None``: the pool's work directory.
+        master_address: ``distributed``: the trainer's address as the servers reach it, where the weight-update
+            group meets (the trainer is its rank 0).
+        master_port: ``distributed``: the port of that rendezvous, on the trainer's node.
+        backend: ``distributed``: the group's ``torch.distributed`` backend.
+        group_name: ``distributed``: the group's name on the servers.
+    """
+
+    method: str = "tensor"
+    dir: str | None = None
+    master_address: str = "127.0.0.1"
+    master_port: int = 29650
+    backend: str = "nccl"
+    group_name: str = "lit_parl_weight_update"
+
+    def __post_init__(self) -> None:
+        if self.method not in SYNC_METHODS:
+            raise ValueError(f"SyncSettings(method={self.method!r}): choose one of {SYNC_METHODS}")
+
+
+@dataclass(frozen=True)
+class RequestSettings:
+    """How the pool's HTTP requests are sent, and how often a failed one is sent again.
+
+    Args:
+        timeout_s: the timeout of one HTTP request (a ``/generate`` or a weight update).
+        max_retries: how often a failed ``/generate`` (refused or reset connection, timeout, HTTP 5xx, an aborted
+            sample) is sent again, to another live server.
+        max_groups_in_flight: groups generating at once (each sends its G samples together).
+    """
+
+    timeout_s: float = 600.0
+    max_retries: int = 3
+    max_groups_in_flight: int = 1024
+
+    def __post_init__(self) -> None:
+        if self.max_retries < 0:
+            raise ValueError(f"RequestSettings(max_retries={self.max_retries}): must be >= 0")
