@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The one script for a machine with one or more GPUs and no internet (README, "The GPU check"): under 10
+# The one script for a machine with one or more GPUs and no internet (docs/gpu.md, "The GPU check"): under 10
 # minutes (the sections' limits add up to 500 s, each plus 15 s to kill), every result in one file,
 # $OUT/gpu_check.json (exit 1 if a check failed or none ran).
 # Sections, each under its own time limit, each logging records as it goes (gpu_check/gpu_records.py):

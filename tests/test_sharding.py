@@ -105,7 +105,7 @@ def test_a_pool_shared_by_every_rank_is_refused_under_two_ranks():
     ("ddp", {"class": "DDPStrategy"}),
 ])
 def test_every_strategy_preset_builds_its_strategy_and_passes_the_module_checks(preset, expected):
-    """The trainer presets of the README's table compose and build the strategy they name, which the module's
+    """The trainer presets of docs/strategies.md's table compose and build the strategy they name, which the module's
     checks accept (the GPU-only ones are not run here: the 2-process tests build the same strategies)."""
     from hydra import compose, initialize_config_module
     from hydra.utils import instantiate

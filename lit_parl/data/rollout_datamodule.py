@@ -59,7 +59,7 @@ class RolloutDataModule(LightningDataModule):
 
     Args:
         data: the training prompts, a ``lit_parl.prompts.prompt_row.PromptSource`` (a dataset file, or a task).
-        rewards: the reward functions (``lit_parl.rewards.Reward`` or plain functions: the README's "Rewards").
+        rewards: the reward functions (``lit_parl.rewards.Reward`` or plain functions: docs/data-and-rewards.md).
         pool: a ``lit_parl.rollout.RolloutPool``; started in ``setup`` if not started, closed at the end.
         tokenizer: encodes prompts and answers; its end and padding tokens are the pool's.
         shape: the iteration's shape (the module gets the same object).

@@ -1,5 +1,5 @@
 """The GRPO family: one clipped-ratio policy-gradient objective whose options give GRPO, Dr. GRPO, DAPO,
-GSPO and RLOO (the presets are `conf/algorithm/*.yaml`; the README has the formulas).
+GSPO and RLOO (the presets are `conf/algorithm/*.yaml`; docs/algorithms.md has the formulas).
 
 The objective returns an un-normalised loss sum and its normaliser separately. The module adds both up
 over the micro-batches of a mini-batch and divides the gradient once, at the optimizer step. Whatever
