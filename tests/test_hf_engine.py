@@ -9,8 +9,8 @@ import torch
 
 from lit_parl.models import tiny_qwen2
 from lit_parl.rollout.hf_pool import HFEngine
-from lit_parl.rollout.sampling import sample_groups
 from lit_parl.rollout.records import GroupRequest, SamplingParams
+from lit_parl.rollout.sampling import sample_groups
 
 
 def _engine_and_policy():
@@ -36,11 +36,13 @@ def test_the_engine_holds_the_shared_tensors_so_a_later_sync_is_the_pools_copy_a
             parameter.mul_(1.5)
             shared[name].copy_(parameter)
     engine.load(shared, version=1)
-    assert all(parameters[name].data_ptr() == tensor.data_ptr() for name, tensor in shared.items())  # still, for the next
+    # still, for the next
+    assert all(parameters[name].data_ptr() == tensor.data_ptr() for name, tensor in shared.items())
     request = GroupRequest(prompt_id=0, prompt_tokens=(4, 5, 41), version=1, seeds=(7, 8))
     sampling = SamplingParams(max_new_tokens=4)
-    [ours] = list(sample_groups(engine.model, [request], sampling, tokenizer.eos_token_id, tokenizer.pad_token_id))
-    [reference] = list(sample_groups(policy.eval(), [request], sampling, tokenizer.eos_token_id, tokenizer.pad_token_id))
+    ids = tokenizer.eos_token_id, tokenizer.pad_token_id
+    [ours] = list(sample_groups(engine.model, [request], sampling, *ids))
+    [reference] = list(sample_groups(policy.eval(), [request], sampling, *ids))
     assert ours.completions == reference.completions and ours.logprobs == reference.logprobs
 
 

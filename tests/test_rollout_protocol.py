@@ -53,7 +53,8 @@ class InProcessPool(RolloutPool):
                 completions.append(completion)
                 logprobs.append(values)
                 reasons.append("stop" if completion[-1] in (self.eos_id, *sampling.stop_token_ids) else "length")
-            yield GroupCompletions(request.prompt_id, self.held, list(range(request.group_size)), completions, logprobs, reasons)
+            indices = list(range(request.group_size))
+            yield GroupCompletions(request.prompt_id, self.held, indices, completions, logprobs, reasons)
 
     def _worker_counts(self) -> tuple[int, int]:
         return (1, 1)
@@ -72,8 +73,10 @@ def test_a_backend_written_from_the_protocol_trains_on_policy():
     assert data.schedule.cursor == 8
     # the sampler's log-probs are θ_k's on the same tokens: the backend really generated with the synced weights
     assert float(trainer.callback_metrics["mismatch/logprob_abs_diff"]) < 1e-4
-    assert any(not torch.equal(initial[k], v) for k, v in module.policy.state_dict().items()), "training changed nothing"
-    assert pool.health() == PoolHealth("in-process", started=False, workers=0, alive=0, version=None)  # closed by the datamodule
+    trained = any(not torch.equal(initial[k], v) for k, v in module.policy.state_dict().items())
+    assert trained, "training changed nothing"
+    # closed by the datamodule
+    assert pool.health() == PoolHealth("in-process", started=False, workers=0, alive=0, version=None)
 
 
 class Misbehaving(InProcessPool):
@@ -100,7 +103,8 @@ class Misbehaving(InProcessPool):
 def spec(tmp_path):
     module, data = make_components()
     module.policy.save_pretrained(tmp_path)
-    return PoolSpec(str(tmp_path), eos_id=data.tokenizer.eos_token_id, pad_id=data.tokenizer.pad_token_id), module.policy
+    tokenizer = data.tokenizer
+    return PoolSpec(str(tmp_path), eos_id=tokenizer.eos_token_id, pad_id=tokenizer.pad_token_id), module.policy
 
 
 def _requests(version: int) -> list[GroupRequest]:

@@ -1,10 +1,12 @@
-"""Faults the spawned-worker pools survive with nothing lost (``lit_parl/rollout/spawned_worker_pool.py``).
+"""Faults the spawned-worker pools survive with nothing lost (``lit_parl/rollout/worker_processes.py``,
+``generate_call.py``).
 
 A worker killed from outside, one that exits in the middle of a batch, and one that hangs are replaced
 by a new process holding the iteration's weights, and their unfinished pieces of work are sent again
 with the same seeds: the run trains exactly its prompts and ends with bit-identical weights to an
 undisturbed run. Repeated failures stop the run with an error and leave no process behind; a worker
-killed while it sends does not disturb the others' messages.
+killed while it sends does not disturb the others' messages. A message the pool cannot read, or of a
+kind it does not know, stops the call with an error that says so.
 """
 
 from __future__ import annotations
@@ -24,8 +26,8 @@ from lightning.pytorch import Callback
 from lit_parl.rollout import HFRolloutPool, PoolSpec
 from lit_parl.rollout.hf_pool import HFEngine
 from lit_parl.rollout.processes import process_table
-from lit_parl.rollout.spawned_worker_pool import SpawnedWorkerPool
 from lit_parl.rollout.records import GroupCompletions, GroupRequest, SamplingParams
+from lit_parl.rollout.spawned_worker_pool import SpawnedWorkerPool
 
 from conftest import WrappedPool, fit, make_components, policy_state
 
@@ -105,6 +107,44 @@ class FloodEngine:
             )
 
 
+def _refuse_unpickling(reason: str):
+    raise ValueError(reason)
+
+
+class UnpicklableHere:
+    """Pickled by a worker, but its unpickling raises (as a class the trainer cannot import would)."""
+
+    def __reduce__(self):
+        return _refuse_unpickling, ("this object cannot be unpickled in the trainer",)
+
+
+class UnreadableEngine(FloodEngine):
+    """Sends each group with a finish reason the trainer cannot unpickle."""
+
+    def sample(self, requests, sampling, version):
+        for group in super().sample(requests, sampling, version):
+            group.finish_reasons[0] = UnpicklableHere()
+            yield group
+
+
+class ForeignGroupDone:
+    """A message kind the pool does not know."""
+
+    def __init__(self, call, group) -> None:
+        self.call, self.group = call, group
+
+
+class ForeignProtocolEngine(FloodEngine):
+    """Built in a worker, it makes that worker's loop send each group as a ``ForeignGroupDone``: a worker
+    speaking another protocol than the pool's (as one of another lit_parl version would)."""
+
+    def __init__(self, length: int) -> None:
+        super().__init__(length)
+        from lit_parl.rollout import worker_loop
+
+        worker_loop.GroupDone = ForeignGroupDone  # this process only: the worker's
+
+
 # -- pools and helpers -------------------------------------------------------------------------------------
 class EnginePool(HFRolloutPool):
     """An hf pool whose workers build ``engine(model_dir, eos_id, pad_id, threads)`` instead of ``HFEngine``."""
@@ -117,15 +157,18 @@ class EnginePool(HFRolloutPool):
         return functools.partial(self.engine, str(spec.model_dir), spec.eos_id, spec.pad_id, threads)
 
 
-class FloodPool(SpawnedWorkerPool):
-    backend = "flood"
+class StandInPool(SpawnedWorkerPool):
+    """Workers that build ``engine()`` (a model-free stand-in), one request per piece of work, round-robin."""
 
-    def __init__(self, length: int, **kwargs) -> None:
-        super().__init__(**kwargs)
-        self.length = length
+    backend = "stand-in"
+
+    def __init__(self, engine, **kwargs) -> None:
+        defaults = dict(threads_per_worker=1, colocated_threads=None, start_timeout_s=120, response_timeout_s=60)
+        super().__init__(**{**defaults, **kwargs})
+        self.engine = engine
 
     def _engine(self, spec, threads):
-        return functools.partial(FloodEngine, self.length)
+        return self.engine
 
     def _assign(self, requests):
         return [(i % self.num_workers, [r]) for i, r in enumerate(requests)]
@@ -232,7 +275,9 @@ def undisturbed():
 
 
 # -- the tests ---------------------------------------------------------------------------------------------
-def test_killed_and_crashed_workers_are_replaced_and_the_run_trains_what_an_undisturbed_run_trains(undisturbed, tmp_path, caplog):
+def test_killed_and_crashed_workers_are_replaced_and_the_run_trains_what_an_undisturbed_run_trains(
+    undisturbed, tmp_path, caplog
+):
     """Three faults, each replaced by a worker holding the iteration's weights. Iteration 0: worker 0 exits
     (``os._exit``) right after the first group of its first batch, so that group comes again from the
     re-sent batch and must be dropped. Between the iterations: worker 1 is SIGKILLed while idle (found at the
@@ -303,13 +348,18 @@ def test_a_hung_worker_is_killed_and_replaced(undisturbed, caplog):
     trained.assert_each_scheduled_sample_once()
     _assert_same_run(run, undisturbed)
     table = process_table()
-    assert all(table.get(pid, (None, None))[1] != start for pid, start in stopped.items()), "the stopped worker is still there"
+    left = [pid for pid, start in stopped.items() if table.get(pid, (None, None))[1] == start]
+    assert not left, "the stopped worker is still there"
 
 
 def test_a_worker_that_keeps_dying_stops_the_run_after_max_restarts_and_leaves_nothing(tmp_path):
     pool = EnginePool(functools.partial(AlwaysCrashEngine, str(tmp_path)), **{**POOL, "num_workers": 1}, max_restarts=1)
     module, data = make_components(pool=pool, prompts=PROMPTS, group_size=GROUP)
-    with pytest.raises(RuntimeError, match=r"rollout worker 0 \(pid \d+\) exited \(exit code 5\) while generating, after 1 restart\(s\) in this call: stopping \(max_restarts=1\)"):
+    stopping = (
+        r"rollout worker 0 \(pid \d+\) exited \(exit code 5\) while generating, after 1 restart\(s\) in this call: "
+        r"stopping \(max_restarts=1\)"
+    )
+    with pytest.raises(RuntimeError, match=stopping):
         fit(module, data, ITERATIONS)
     started = [int(p.name) for p in tmp_path.iterdir()]
     assert len(started) == 2  # the first worker and its one replacement
@@ -323,7 +373,7 @@ def test_a_worker_killed_while_sending_large_messages_does_not_disturb_the_other
     middle of one. The dead worker's partial message must be dropped and the other worker's stream stay
     readable (with one shared queue, a partial message corrupts it and the dead writer's lock blocks it)."""
     length = 100_000
-    pool = FloodPool(length, num_workers=2, threads_per_worker=1, colocated_threads=None, start_timeout_s=120, response_timeout_s=60)
+    pool = StandInPool(functools.partial(FloodEngine, length), num_workers=2)
     rng = random.Random(0)
     try:
         pool.start(PoolSpec("unused", eos_id=1, pad_id=0))
@@ -339,6 +389,26 @@ def test_a_worker_killed_while_sending_large_messages_does_not_disturb_the_other
         for r in requests:
             assert received[r.prompt_id].completions == [list(range(s, s + length)) for s in r.seeds]
         assert pool.health().details["restarts"] == 2
+    finally:
+        pool.close()
+    assert not _spawned_children()
+
+
+UNREADABLE = r"(?s)worker 0 sent a message the pool cannot read:\n.*ValueError: this object cannot be unpickled"
+UNKNOWN = r"worker 0 sent a message of unknown kind while generating: ForeignGroupDone"
+
+
+@pytest.mark.parametrize(
+    "engine,reported", [(UnreadableEngine, UNREADABLE), (ForeignProtocolEngine, UNKNOWN)], ids=["unreadable", "unknown"]
+)
+def test_a_message_the_pool_cannot_read_or_does_not_know_stops_the_call_and_says_so(engine, reported):
+    """Not a fault to restart from: the worker and the pool disagree on what was sent, so the call stops."""
+    pool = StandInPool(functools.partial(engine, 4), num_workers=1)
+    try:
+        pool.start(PoolSpec("unused", eos_id=1, pad_id=0))
+        pool.sync_weights([[("w", torch.zeros(1))]], version=0)
+        with pytest.raises(RuntimeError, match=reported):
+            list(pool.generate([GroupRequest(0, (1,), version=0, seeds=(0,))], SamplingParams()))
     finally:
         pool.close()
     assert not _spawned_children()

@@ -1,5 +1,6 @@
-from lit_parl.rollout.rollout_pool import PoolHealth, PoolSpec, RolloutPool
 from lit_parl.rollout.hf_pool import HFRolloutPool
+from lit_parl.rollout.pool_records import PoolHealth, PoolSpec
+from lit_parl.rollout.rollout_pool import RolloutPool
 from lit_parl.rollout.sglang import SGLangRolloutPool
 
 __all__ = ["HFRolloutPool", "PoolHealth", "PoolSpec", "RolloutPool", "SGLangRolloutPool", "VLLMRolloutPool"]

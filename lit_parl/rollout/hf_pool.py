@@ -22,7 +22,8 @@ Example::
     >>> pool.start(PoolSpec(model_dir, eos_id=tok.eos_token_id, pad_id=tok.pad_token_id))
     >>> pool.sync_weights([list(model.named_parameters())], version=0)  # one bucket: the whole model
     >>> request = GroupRequest(prompt_id=0, prompt_tokens=(4, 5, 41), version=0, seeds=(1, 2))
-    >>> [(g.prompt_id, g.version, len(g.completions)) for g in pool.generate([request], SamplingParams(max_new_tokens=4))]
+    >>> groups = pool.generate([request], SamplingParams(max_new_tokens=4))
+    >>> [(g.prompt_id, g.version, len(g.completions)) for g in groups]
     [(0, 0, 2)]
     >>> pool.close(); shutil.rmtree(model_dir)
 """
@@ -35,11 +36,12 @@ from collections.abc import Iterator
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from lit_parl.rollout.rollout_pool import FP32_LOGPROB_TOLERANCE, PoolSpec
-from lit_parl.rollout.sampling import sample_groups
-from lit_parl.rollout.stop_strings import load_tokenizer
-from lit_parl.rollout.spawned_worker_pool import SpawnedWorkerPool
+from lit_parl.rollout.pool_records import PoolSpec
 from lit_parl.rollout.records import GroupCompletions, GroupRequest, SamplingParams
+from lit_parl.rollout.rollout_pool import FP32_LOGPROB_TOLERANCE
+from lit_parl.rollout.sampling import sample_groups
+from lit_parl.rollout.spawned_worker_pool import SpawnedWorkerPool
+from lit_parl.rollout.stop_strings import load_tokenizer
 
 
 class HFEngine:
@@ -64,7 +66,9 @@ class HFEngine:
         parameters = dict(self.model.named_parameters())
         if set(parameters) != set(shared):
             missing, extra = sorted(set(parameters) - set(shared)), sorted(set(shared) - set(parameters))
-            raise ValueError(f"version {version}'s tensors do not fit the model: missing {missing[:5]}, unknown {extra[:5]}")
+            raise ValueError(
+                f"version {version}'s tensors do not fit the model: missing {missing[:5]}, unknown {extra[:5]}"
+            )
         with torch.no_grad():
             for name, parameter in parameters.items():
                 source = shared[name]
@@ -78,7 +82,9 @@ class HFEngine:
                 else:  # another dtype than the engine's (a bfloat16 policy into a float32 engine): a copy
                     parameter.copy_(source)
 
-    def sample(self, requests: list[GroupRequest], sampling: SamplingParams, version: int) -> Iterator[GroupCompletions]:
+    def sample(
+        self, requests: list[GroupRequest], sampling: SamplingParams, version: int
+    ) -> Iterator[GroupCompletions]:
         if sampling.stop and self.tokenizer is None:
             self.tokenizer = load_tokenizer(self.model_dir, sampling.stop)
         for sampled in sample_groups(self.model, requests, sampling, self.eos_id, self.pad_id, self.tokenizer):
@@ -126,9 +132,13 @@ class HFRolloutPool(SpawnedWorkerPool):
         response_timeout_s: float = 600.0,
         max_restarts: int = 3,
     ) -> None:
-        super().__init__(num_workers, threads_per_worker, colocated_threads, start_timeout_s, response_timeout_s, max_restarts)
+        super().__init__(
+            num_workers, threads_per_worker, colocated_threads, start_timeout_s, response_timeout_s, max_restarts
+        )
         if prompts_per_request < 1:
-            raise ValueError(f"HFRolloutPool(prompts_per_request={prompts_per_request}): at least one prompt per request")
+            raise ValueError(
+                f"HFRolloutPool(prompts_per_request={prompts_per_request}): at least one prompt per request"
+            )
         self.prompts_per_request = prompts_per_request
 
     def logprob_tolerance(self) -> float | None:

@@ -27,6 +27,8 @@ import time
 import traceback
 from pathlib import Path
 
+from lit_parl.rollout.worker_messages import Exited, Stop, Unreadable, WorkerError
+
 
 def die_with_parent() -> None:
     """Ask Linux to SIGKILL this process when its parent dies, however the parent dies."""
@@ -82,7 +84,7 @@ def stop_workers(processes: list, inboxes: list, grace_s: float = 5.0) -> None:
     leftovers = descendants([p.pid for p in processes if p.pid is not None])
     for inbox in inboxes:
         try:
-            inbox.put(("stop",))
+            inbox.put(Stop())
         except (OSError, ValueError):
             pass
     deadline = time.monotonic() + grace_s
@@ -121,7 +123,7 @@ class Outbox:
         self._thread = threading.Thread(target=self._send_all, name="lit_parl-outbox", daemon=True)
         self._thread.start()
 
-    def put(self, message: tuple) -> None:
+    def put(self, message: object) -> None:
         self._queue.put(message)
 
     def close(self) -> None:
@@ -137,15 +139,15 @@ class Outbox:
             except OSError:
                 return  # the trainer is gone: nobody reads any more
             except Exception:  # noqa: BLE001 - not picklable (nothing was written): the trainer must hear why
-                self._connection.send(("error", None, traceback.format_exc()))
+                self._connection.send(WorkerError(traceback.format_exc()))
 
 
 def read_messages(connection, tag, messages: queue.Queue) -> None:
-    """Put each message of ``connection`` on ``messages`` as ``(tag, message)``, then ``(tag, ("exited",))``.
+    """Put each message of ``connection`` on ``messages`` as ``(tag, message)``, then ``(tag, Exited())``.
 
     Runs on a thread of its own until the pipe ends, which happens once every process holding its write
     end has exited; a message cut short by the writer's death ends it the same way and is dropped. A
-    complete message that cannot be unpickled is passed on as ``(tag, ("unreadable", traceback))``.
+    complete message that cannot be unpickled is passed on as ``(tag, Unreadable(traceback))``.
     """
     try:
         while True:
@@ -153,9 +155,9 @@ def read_messages(connection, tag, messages: queue.Queue) -> None:
                 message = connection.recv()
             except (EOFError, OSError):
                 return
-            except Exception:  # noqa: BLE001 - read whole but not unpicklable: the pipe is still in step
-                message = ("unreadable", traceback.format_exc())
+            except Exception:  # noqa: BLE001 - read whole but not unpickled: the pipe is still in step
+                message = Unreadable(traceback.format_exc())
             messages.put((tag, message))
     finally:
         connection.close()
-        messages.put((tag, ("exited",)))
+        messages.put((tag, Exited()))

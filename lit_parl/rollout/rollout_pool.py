@@ -17,9 +17,9 @@ backends have in common is done here, once, by the public methods the trainer ca
 - **Timing.** ``busy_intervals`` reports when the engine worked during the last ``generate``.
 
 What a backend does **not** do: score. ``generate`` yields ``GroupCompletions``, unscored; the trainer's
-process scores them (``lit_parl.data.group_scorer.GroupScorer``: inline, or on threads of its own), because scoring needs
-the task and the tokenizer, which live there. So a slow reward never stalls generation, whichever
-backend runs.
+process scores them (``lit_parl.data.group_scorer.GroupScorer``: inline, or on threads of its own),
+because scoring needs the task and the tokenizer, which live there. So a slow reward never stalls
+generation, whichever backend runs.
 
 Weights arrive as a stream of buckets (lists of ``(name, tensor)``) pushed by one process: a sharded
 trainer gathers and sends one bucket at a time, so the extra memory is one bucket, not a model copy.
@@ -55,12 +55,11 @@ from __future__ import annotations
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Iterable, Iterator, Sequence
-from dataclasses import dataclass, field
-from pathlib import Path
 from typing import ClassVar, final
 
 import torch
 
+from lit_parl.rollout.pool_records import PoolHealth, PoolSpec
 from lit_parl.rollout.records import GroupCompletions, GroupRequest, SamplingParams
 
 WeightBucket = Sequence[tuple[str, torch.Tensor]]
@@ -81,48 +80,6 @@ def widened_for_trainer(tolerance: float | None, precision: str, on_accelerator:
         return None
     low_precision = str(precision) not in ("32-true", "32", "64-true", "64")
     return max(tolerance, BF16_LOGPROB_TOLERANCE) if low_precision or on_accelerator else tolerance
-
-
-@dataclass(frozen=True)
-class PoolSpec:
-    """What a backend needs to start.
-
-    Args:
-        model_dir: a Hugging Face model directory (``config.json``, weights, tokenizer files) of the
-            policy's architecture; engines load their model from it. Its weights may be stale: the first
-            ``sync_weights`` brings the trainer's.
-        eos_id: the end token; every backend stops a sample on it (and on ``SamplingParams.stop_token_ids``)
-            and keeps it in the completion.
-        pad_id: the padding token, for backends that batch prompts of different lengths.
-        colocated: generation and training take turns on the same hardware (``mode="sync"``), so the
-            engine may use all of it; otherwise it runs beside the trainer and keeps to its own share.
-    """
-
-    model_dir: str | Path
-    eos_id: int
-    pad_id: int
-    colocated: bool = False
-
-
-@dataclass(frozen=True)
-class PoolHealth:
-    """A pool's state, as ``RolloutPool.health()`` reports it.
-
-    Args:
-        backend: the backend's name (``hf``, ``vllm``, ``sglang``, ...).
-        started: ``start`` has run and ``close`` has not.
-        workers: engine processes or servers the pool drives (0 when not started).
-        alive: how many of them are up.
-        version: the policy version every worker confirmed; ``None`` before the first sync or during one.
-        details: backend-specific facts (a router's URL, process ids, ...), for people, not for code.
-    """
-
-    backend: str
-    started: bool
-    workers: int
-    alive: int
-    version: int | None
-    details: dict = field(default_factory=dict)
 
 
 class RolloutPool(ABC):
@@ -173,9 +130,10 @@ class RolloutPool(ABC):
         ``"length"`` per sample. A stop string (``sampling.stop``) ends a sample at the token whose text
         completes it in the decoded completion: that token is kept, none after it, and the reason is
         ``"stop"`` (also on the last token the limit allows). Temperature 0 is greedy: the argmax token,
-        whatever the seed, with its log-prob in the plain softmax (T = 1). All of a call's requests should be in flight at once: the trainer trains
-        on early groups while later ones are generated. Raise, never hang, when a worker dies (within the
-        backend's own timeout); the caller may stop iterating early, and ``close`` must then still work.
+        whatever the seed, with its log-prob in the plain softmax (T = 1). All of a call's requests should
+        be in flight at once: the trainer trains on early groups while later ones are generated. Raise,
+        never hang, when a worker dies (within the backend's own timeout); the caller may stop iterating
+        early, and ``close`` must then still work.
         """
 
     @abstractmethod
@@ -260,28 +218,32 @@ class RolloutPool(ABC):
             size = waiting.pop(group.prompt_id, None)
             if size is None:
                 raise RuntimeError(
-                    f"the {self.backend} pool returned prompt_id {group.prompt_id}, which was not requested or already returned"
+                    f"the {self.backend} pool returned prompt_id {group.prompt_id}, "
+                    "which was not requested or already returned"
                 )
             if sorted(group.sample_indices) != list(range(size)):
                 raise RuntimeError(
-                    f"the {self.backend} pool returned samples {group.sample_indices} for prompt {group.prompt_id}; expected 0..{size - 1}"
+                    f"the {self.backend} pool returned samples {group.sample_indices} for prompt {group.prompt_id}; "
+                    f"expected 0..{size - 1}"
                 )
             if not len(group.completions) == len(group.logprobs) == len(group.finish_reasons) == size:
                 raise RuntimeError(
-                    f"the {self.backend} pool returned {len(group.completions)} completions, {len(group.logprobs)} log-prob lists "
-                    f"and {len(group.finish_reasons)} finish reasons for the {size} samples of prompt {group.prompt_id}"
+                    f"the {self.backend} pool returned {len(group.completions)} completions, "
+                    f"{len(group.logprobs)} log-prob lists and {len(group.finish_reasons)} finish reasons "
+                    f"for the {size} samples of prompt {group.prompt_id}"
                 )
             for sample, tokens, logprobs in zip(group.sample_indices, group.completions, group.logprobs):
                 if len(tokens) != len(logprobs):  # a missing log-prob would be trained as 0.0 on a real token
                     raise RuntimeError(
-                        f"the {self.backend} pool returned {len(logprobs)} log-probs for the {len(tokens)} tokens of prompt "
-                        f"{group.prompt_id} sample {sample}: one per token expected"
+                        f"the {self.backend} pool returned {len(logprobs)} log-probs for the {len(tokens)} tokens "
+                        f"of prompt {group.prompt_id} sample {sample}: one per token expected"
                     )
             self._intervals = [(start, time.monotonic())]
             yield group
         if waiting:
             raise RuntimeError(
-                f"the {self.backend} pool ended its stream with prompts {sorted(waiting)[:10]} ({len(waiting)} in all) never returned"
+                f"the {self.backend} pool ended its stream with prompts {sorted(waiting)[:10]} "
+                f"({len(waiting)} in all) never returned"
             )
 
     @final
@@ -292,7 +254,8 @@ class RolloutPool(ABC):
     @final
     def health(self) -> PoolHealth:
         workers, alive = self._worker_counts() if self._started else (0, 0)
-        return PoolHealth(self.backend, self._started, workers, alive, self._version, self._details() if self._started else {})
+        details = self._details() if self._started else {}
+        return PoolHealth(self.backend, self._started, workers, alive, self._version, details)
 
     @final
     def close(self) -> None:

