@@ -7,7 +7,7 @@ that the servers confirmed it (``/model_info``'s ``weight_version``), that every
 tokens' log-probs now match the new weights (computed by the trainer side) and no longer the old ones.
 
 ``--launch-command`` runs the same sequence against another server command; the tests use it with the
-stand-in (tests/sglang_standin.py) to check this script on a CPU machine.
+stand-in (tests/helpers/sglang_standin.py) to check this script on a CPU machine.
 
 On one GPU the server shares it with the trainer, and ``distributed`` is skipped (logged as such): NCCL
 refuses two ranks of one group on one device. With two or more GPUs the server runs on GPU 1

@@ -1,7 +1,7 @@
 """The strategies on the GPUs of one machine: DDP (NCCL), FSDP2, FSDP1 (Lightning's ``fsdp``) and DeepSpeed ZeRO-2 and
 ZeRO-3 against a one-device run on the same global batch.
 
-Each run is ``tests/distributed_fit.py`` (2 iterations, SGD, β > 0, 2 mini-batches; an in-process pool on the
+Each run is ``tests/helpers/distributed_fit.py`` (2 iterations, SGD, β > 0, 2 mini-batches; an in-process pool on the
 trainer's machine), as ``make test`` runs it on the CPU. With two or more GPUs the strategies run on two of them
 and their final policy is compared with the one-device run (relative difference per tensor, bound 1e-4: the
 GPU's float32 kernels are not bitwise across layouts); every rank's samples must together be the one-device

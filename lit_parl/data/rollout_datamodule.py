@@ -7,7 +7,7 @@ colocated baseline). The datamodule wires the data path's parts (``PromptSchedul
 ``ResumePoint``: one job each, docs/design.md) and owns the pool's lifecycle (started in ``setup``, closed
 in ``teardown`` or when the fit fails).
 
-In use: the README's "Components without the CLI" script (run as a script by ``tests/test_readme.py``).
+In use: the README's "Components without the CLI" script (run as a script by ``tests/system/test_readme.py``).
 """
 from __future__ import annotations
 

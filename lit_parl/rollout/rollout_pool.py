@@ -24,7 +24,7 @@ generation, whichever backend runs.
 Weights arrive as a stream of buckets (lists of ``(name, tensor)``) pushed by one process: a sharded
 trainer gathers and sends one bucket at a time, so the extra memory is one bucket, not a model copy.
 
-Example, a complete backend that "generates" by echoing the prompt (``tests/test_rollout_protocol.py``
+Example, a complete backend that "generates" by echoing the prompt (``tests/rollout/test_rollout_protocol.py``
 trains with one like it)::
 
     >>> from lit_parl.rollout.records import GroupCompletions, GroupRequest, SamplingParams

@@ -1,7 +1,7 @@
 """Every request lit_parl's SGLang pool sends in a scripted run against the stand-in, each decided on by SGLang.
 
 ``run_pools`` drives ``SGLangRolloutPool`` as a training run does, against the stand-in server
-(``tests/sglang_standin.py``): a launched server (``tp_size=2``) synced by ``tensor`` twice and generating
+(``tests/helpers/sglang_standin.py``): a launched server (``tp_size=2``) synced by ``tensor`` twice and generating
 with every kind of sampling the pool supports (temperature > 0, greedy, top-k / top-p with stop tokens and
 stop strings), then two pools attached to it, synced by ``disk`` and by ``distributed`` (gloo here: NCCL
 needs GPUs). The pool's ``HTTPClient._request`` is wrapped, in this process only and for this run only:
@@ -32,7 +32,7 @@ from lit_parl.rollout.sglang.client import HTTPClient
 from lit_parl.rollout.records import GroupRequest, SamplingParams, sample_seed
 from sglang_contract.sglang_side import ServerSide, Verdict
 
-STANDIN = [sys.executable, str(Path(__file__).resolve().parents[1] / "sglang_standin.py")]
+STANDIN = [sys.executable, str(Path(__file__).resolve().parents[1] / "helpers" / "sglang_standin.py")]
 TP_SIZE = 2  # of the launched server: a tensor update carries one payload per rank
 GROUP_SIZE = 2
 STOP_TOKEN = 7

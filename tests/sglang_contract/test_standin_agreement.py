@@ -1,4 +1,4 @@
-"""The stand-in server of the main tests (``tests/sglang_standin.py``) against SGLang's own code (sglang 0.5.23,
+"""The stand-in server of the main tests (``tests/helpers/sglang_standin.py``) against SGLang's own code (sglang 0.5.23,
 as pinned in requirements.txt): the pool's tests against the stand-in are worth what the stand-in's
 agreement with SGLang is worth.
 
@@ -8,7 +8,7 @@ agreement with SGLang is worth.
 * Probes: malformed and borderline requests sent to a running stand-in and to SGLang's HTTP front end
   (``sglang_side``); both must answer alike: accepted (2xx), refused (4xx: the pool does not retry) or failed
   (5xx: the pool retries on another server). Each probe that SGLang refuses names the SGLang line that
-  refuses it; the stand-in's checks are in ``tests/sglang_requests.py``.
+  refuses it; the stand-in's checks are in ``tests/helpers/sglang_requests.py``.
 """
 
 from __future__ import annotations

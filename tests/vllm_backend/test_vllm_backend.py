@@ -67,7 +67,7 @@ if importlib.util.find_spec("vllm") is None:
 from vllm import EngineArgs, LLMEngine  # noqa: E402, F401 - fails the module if an installed vLLM does not import
 
 # tests/ is on the path (tests/conftest.py)
-from test_sampling_semantics import argmax_loop, filtered_distribution, first_stop, stop_strings_for  # noqa: E402
+from helpers.sampling_references import argmax_loop, filtered_distribution, first_stop, stop_strings_for  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
 TINY = {"hidden_size": 128, "intermediate_size": 512}  # 4 heads of 32

@@ -29,7 +29,7 @@ import torch
 from hydra import compose, initialize_config_module
 from hydra.utils import instantiate
 
-from env_probe import EnvProbe, decode
+from vllm_backend.env_probe import EnvProbe, decode
 from lit_parl.rollout import PoolSpec, VLLMRolloutPool, vllm_engine, vllm_pool, vllm_worker_extension
 from lit_parl.rollout.records import GroupRequest, SamplingParams
 

@@ -32,7 +32,7 @@ puts ``sglang_router`` in front of the servers for generation. ``close()`` stops
 launched (servers, router, their process groups) and leaves attached servers running.
 
 SGLang needs a GPU; on a CPU machine the tests run this pool against a stand-in server
-(``tests/sglang_standin.py``) that implements the same endpoints over a tiny transformers model.
+(``tests/helpers/sglang_standin.py``) that implements the same endpoints over a tiny transformers model.
 
 Example (on a GPU node with ``pip install lit-parl[sglang]``; ``model_dir`` holds the policy saved with
 ``save_pretrained`` and its tokenizer)::

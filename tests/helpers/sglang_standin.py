@@ -1,0 +1,362 @@
+"""A stand-in for an SGLang server, for tests on a machine without a GPU. It is not SGLang.
+
+It accepts ``sglang.launch_server``'s arguments that the pool passes and implements the native HTTP
+endpoints the pool uses, with SGLang's request and response shapes, over a transformers model loaded
+from ``--model-path``:
+
+``/health``, ``/health_generate``, ``/generate`` (single or batched ``input_ids``, ``sampling_params`` as
+one dict or a list, ``n``, ``sampling_seed``, ``stop_token_ids``, ``stop``, ``return_logprob``; answers
+with ``output_ids`` and ``meta_info.output_token_logprobs`` / ``finish_reason`` / ``weight_version``),
+``/server_info`` (``enable_deterministic_inference``), ``/model_info`` (its ``weight_version``), ``/begin_weight_update``, ``/end_weight_update``,
+``/update_weights_from_disk``, ``/update_weights_from_tensor``, ``/init_weights_update_group``,
+``/update_weights_from_distributed`` (gloo here, NCCL in SGLang), ``/destroy_weights_update_group``, ``/pause_generation``,
+``/continue_generation``, ``/flush_cache``.
+
+The weight-update API of current SGLang (0.5.23): no ``/get_weight_version`` route; tensor and distributed
+updates refused (HTTP 400, ``success: false``) outside a session opened by ``/begin_weight_update`` and
+closed by ``/end_weight_update``; a second ``begin`` inside a session, or an ``end`` outside one, refused.
+``--legacy-api`` is an SGLang from before sessions and ``/model_info``'s version: ``/get_weight_version``
+instead, no session routes, updates taken as they come.
+
+Log-probs as SGLang reports them: of the full softmax of logits / T, before top-k/top-p (the draw is from
+the filtered one); with ``SGLANG_RETURN_ORIGINAL_LOGPROB`` true, of the softmax before the temperature.
+
+As strict as SGLang (``sampling_params.py``, ``schedule_batch.py``, ``server_args.py``): a launch flag it
+does not know exits with code 2; ``sampling_seed`` is honoured only under ``--enable-deterministic-inference``
+(a request without one then gets 42), and ignored otherwise; a sampling parameter SGLang does not
+have is refused (HTTP 400); ``stop`` strings are refused under ``--skip-tokenizer-init`` (the
+tokenizer decodes the completion to match them); temperature below 1e-6 becomes greedy as SGLang makes
+it, T = 1 with ``top_k=1``; the length limit is checked before the stop conditions, so a sample whose
+last allowed token is an end token or completes a stop string finishes ``{"type": "length"}``;
+otherwise ``{"type": "stop", "matched": <the string>}`` (the first of ``stop`` in order that the
+completion holds) or ``{"type": "stop", "matched": <the token>}``. Assumed, not SGLang's exactly: the
+match runs on the whole completion's text with special tokens skipped (SGLang decodes a tail of
+``stop``'s token length + 1 tokens, special tokens kept: the same on this character tokenizer's text).
+As SGLang does: ``/generate`` while paused is held until ``/continue_generation``; ``/flush_cache`` is
+refused (HTTP 400) while a request runs; ``/update_weights_from_tensor`` reads one payload per
+tensor-parallel rank (``--tp-size``), each rank its own; ``--dtype`` sets the served precision.
+Laxer than SGLang, known: a pause does not abort the request running (its default ``abort`` mode
+does); with ``n`` > 1 sample ``k`` uses ``sampling_seed + k`` (the pool sends one request per sample).
+
+Faults for the tests: ``--die-after-generates N`` exits abruptly while answering the (N+1)-th
+``/generate``; ``--malformed`` drops ``meta_info`` from answers; ``--stale-version`` accepts updates but
+keeps its weight version; ``--exit-at-start`` exits with code 3 before serving;
+``--refuse-distributed-updates`` answers ``/update_weights_from_distributed`` with a 400 without joining
+the broadcast.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import sys
+
+import torch
+from aiohttp import web
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from lit_parl.rollout.records import GroupRequest, SamplingParams
+from lit_parl.rollout.sampling import sample_groups
+
+# run as a script (a server process), or loaded from its path by the contract tests: its sibling module by name
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from sglang_requests import (  # noqa: E402, F401 - the contract tests read the set here
+    SGLANG_SAMPLING_PARAMS,
+    body_problem,
+    generate_problem,
+)
+from lit_parl.rollout.weight_transfer import (
+    deserialize_named_tensors,
+    init_weight_update_group,
+)
+
+# SGLang's --dtype choices (server_args.py)
+DTYPES = {"half": torch.float16, "float16": torch.float16, "bfloat16": torch.bfloat16, "float": torch.float32, "float32": torch.float32}
+
+
+class StandIn:
+    def __init__(self, args: argparse.Namespace) -> None:
+        torch.set_num_threads(1)
+        self.args = args
+        dtype = "auto" if args.dtype == "auto" else DTYPES[args.dtype]
+        self.model = AutoModelForCausalLM.from_pretrained(args.model_path, dtype=dtype, attn_implementation="sdpa").eval()
+        self.tokenizer = None if args.skip_tokenizer_init else AutoTokenizer.from_pretrained(args.model_path)
+        self.weight_version = "default"
+        # read as SGLang reads it: log-probs before the temperature
+        self.original_logprob = os.environ.get("SGLANG_RETURN_ORIGINAL_LOGPROB", "false").lower() in ("1", "true")
+        self.resumed = asyncio.Event()  # cleared by /pause_generation: new requests wait for /continue_generation
+        self.resumed.set()
+        self.running = 0  # requests being sampled: /flush_cache is refused while there are any
+        self.generates = 0
+        self.group = None
+        self.group_name = None
+        self.in_session = False  # between /begin_weight_update and /end_weight_update
+        self.lock = asyncio.Lock()  # one model call at a time, like a scheduler's batch
+
+    # -- generation ------------------------------------------------------------------------------------
+    async def generate(self, request: web.Request) -> web.Response:
+        body = await request.json()
+        problem = generate_problem(body)
+        if problem:
+            return web.json_response({"error": {"message": problem}}, status=400)  # SGLang's answer to a ValueError
+        self.generates += 1
+        if self.args.die_after_generates is not None and self.generates > self.args.die_after_generates:
+            os._exit(1)  # a crash mid-request: the client sees the connection drop
+        await self.resumed.wait()
+        batched = isinstance(body["input_ids"][0], list)
+        prompts = body["input_ids"] if batched else [body["input_ids"]]
+        params = body.get("sampling_params", {})
+        params = params if isinstance(params, list) else [params] * len(prompts)
+        refused = self._refused(params)
+        if refused:
+            return web.json_response({"error": {"message": refused}}, status=400)  # SGLang's answer to a ValueError
+        outputs = []
+        async with self.lock:
+          self.running += 1
+          try:
+            for prompt, p in zip(prompts, params):
+                n = int(p.get("n", 1))
+                # SGLang honours sampling_seed only under --enable-deterministic-inference (then 42 when unset)
+                seed = (p.get("sampling_seed") if p.get("sampling_seed") is not None else 42) if self.args.enable_deterministic_inference else None
+                seeds = [seed + k if seed is not None else int(torch.randint(0, 2**62, ())) for k in range(n)]
+                outputs += await asyncio.to_thread(self._sample, prompt, p, seeds, bool(body.get("return_logprob")))
+          finally:
+            self.running -= 1
+        return web.json_response(outputs if batched or len(outputs) > 1 else outputs[0])
+
+    def _refused(self, params: list[dict]) -> str | None:
+        """What SGLang refuses in these sampling parameters beyond their fields (``sglang_requests``): stop strings
+        without a tokenizer (its ``normalize``)."""
+        for p in params:
+            if p.get("stop") and self.tokenizer is None:
+                return (f"stop={p['stop']!r} is unavailable when skip_tokenizer_init=True "
+                        "(requires tokenizer to decode tokens to text for matching).")
+        return None
+
+    def _sample(self, prompt: list[int], p: dict, seeds: list[int], return_logprob: bool) -> list[dict]:
+        stops = list(p.get("stop_token_ids") or [])
+        strings = p.get("stop") or []
+        strings = [strings] if isinstance(strings, str) else list(strings)
+        temperature, top_k = float(p.get("temperature", 1.0)), int(p.get("top_k", -1))
+        if 0 <= temperature < 1e-6:  # SGLang's greedy: T = 1, the top token only
+            temperature, top_k = 1.0, 1
+        max_new_tokens = int(p.get("max_new_tokens", 128))
+        if max_new_tokens == 0:  # SGLang allows it: nothing generated, finished by length
+            meta = {"finish_reason": {"type": "length", "length": 0}, "prompt_tokens": len(prompt), "completion_tokens": 0,
+                    "weight_version": self.weight_version, **({"output_token_logprobs": []} if return_logprob else {})}
+            return [{"output_ids": [], "meta_info": meta} for _ in seeds]
+        sampling = SamplingParams(
+            max_new_tokens=max_new_tokens,
+            temperature=temperature,
+            top_p=float(p.get("top_p", 1.0)),
+            top_k=max(0, top_k),
+            stop_token_ids=tuple(stops[1:]),
+            stop=tuple(strings),
+        )
+        eos = stops[0] if stops else self.model.config.eos_token_id
+        request = GroupRequest(prompt_id=0, prompt_tokens=tuple(prompt), version=0, seeds=tuple(seeds))
+        (sampled,) = list(sample_groups(self.model, [request], sampling, eos, eos, self.tokenizer))
+        outputs = []
+        for tokens, logprobs in zip(sampled.completions, sampled.logprobs):
+            if self.original_logprob:
+                logprobs = self._logprobs_before_temperature(prompt, tokens)
+            text = self.tokenizer.decode(tokens, skip_special_tokens=True) if strings else ""
+            matched = next((s for s in strings if s in text), tokens[-1])  # a string the last token completed, or the token
+            meta = {
+                "finish_reason": {"type": "length", "length": max_new_tokens} if len(tokens) >= max_new_tokens else {"type": "stop", "matched": matched},
+                "prompt_tokens": len(prompt),
+                "completion_tokens": len(tokens),
+                "weight_version": self.weight_version,
+            }
+            if return_logprob:
+                meta["output_token_logprobs"] = [[lp, t, None] for lp, t in zip(logprobs, tokens)]
+            output = {"output_ids": tokens, "meta_info": meta}
+            if self.args.malformed:
+                output = {"output_ids": tokens}
+            outputs.append(output)
+        return outputs
+
+    @torch.no_grad()
+    def _logprobs_before_temperature(self, prompt: list[int], tokens: list[int]) -> list[float]:
+        logits = self.model(torch.tensor([prompt + tokens])).logits[0, len(prompt) - 1 : -1].float()
+        return logits.log_softmax(-1).gather(-1, torch.tensor(tokens)[:, None])[:, 0].tolist()
+
+    # -- weights ---------------------------------------------------------------------------------------
+    def _load(self, named: list[tuple[str, torch.Tensor]], version: str | None) -> None:
+        parameters = dict(self.model.named_parameters())
+        with torch.no_grad():
+            for name, tensor in named:
+                parameters[name].copy_(tensor)
+        if version is not None and not self.args.stale_version:
+            self.weight_version = version
+
+    async def update_from_disk(self, request: web.Request) -> web.Response:
+        body = await request.json()
+        from safetensors.torch import load_file
+
+        # a sharded checkpoint: the shards its index names (SGLang's loader reads them the same way)
+        with open(os.path.join(body["model_path"], "model.safetensors.index.json")) as f:
+            shards = sorted(set(json.load(f)["weight_map"].values()))
+        named = [item for shard in shards for item in load_file(os.path.join(body["model_path"], shard)).items()]
+        self._load(named, body.get("weight_version"))
+        return web.json_response({"success": True, "message": "ok", "num_paused_requests": 0})
+
+    def _outside_session(self, what: str) -> web.Response | None:
+        """SGLang's refusal of an update outside a weight-update session (none with --legacy-api)."""
+        if self.args.legacy_api or self.in_session:
+            return None
+        message = f"{what} must run between begin_weight_update() and end_weight_update()"
+        return web.json_response({"success": False, "message": message}, status=400)
+
+    async def begin_update(self, request: web.Request) -> web.Response:
+        if self.in_session:
+            return web.json_response({"success": False, "message": "a weight update session is already open"}, status=400)
+        self.in_session = True
+        return web.json_response({"success": True, "message": "ok"})
+
+    async def end_update(self, request: web.Request) -> web.Response:
+        if not self.in_session:
+            return web.json_response({"success": False, "message": "no weight update session is open"}, status=400)
+        self.in_session = False
+        return web.json_response({"success": True, "message": "ok"})
+
+    async def server_info(self, request: web.Request) -> web.Response:
+        return web.json_response({"model_path": self.args.model_path, "tp_size": self.args.tp_size,
+                                  "enable_deterministic_inference": self.args.enable_deterministic_inference, "dtype": self.args.dtype})
+
+    async def model_info(self, request: web.Request) -> web.Response:
+        return web.json_response({"model_path": self.args.model_path, "is_generation": True, "weight_version": self.weight_version})
+
+    async def update_from_tensor(self, request: web.Request) -> web.Response:
+        refused = self._outside_session("update_weights_from_tensor")
+        if refused is not None:
+            return refused
+        body = await request.json()
+        payloads = body["serialized_named_tensors"]
+        if len(payloads) != self.args.tp_size:  # SGLang's rank r reads payloads[r]: a short list fails a rank
+            message = f"serialized_named_tensors has {len(payloads)} payloads for tp_size {self.args.tp_size}"
+            return web.json_response({"success": False, "message": message}, status=400)
+        shares = [deserialize_named_tensors(payload) for payload in payloads]  # each rank unpickles its own
+        for share in shares[1:]:
+            if [n for n, _ in share] != [n for n, _ in shares[0]] or not all(torch.equal(a, b) for (_, a), (_, b) in zip(share, shares[0])):
+                return web.json_response({"success": False, "message": "tensor-parallel ranks got different weights"}, status=400)
+        self._load(shares[0], body.get("weight_version"))
+        return web.json_response({"success": True, "message": "ok"})
+
+    async def init_group(self, request: web.Request) -> web.Response:
+        body = await request.json()
+        self.group_name = body["group_name"]
+        self.group = await asyncio.to_thread(
+            init_weight_update_group,
+            body["master_address"], body["master_port"], body["rank_offset"], body["world_size"], body["group_name"], "gloo",
+        )
+        return web.json_response({"success": True, "message": "ok"})
+
+    async def destroy_group(self, request: web.Request) -> web.Response:
+        body = await request.json()
+        if self.group is None or body.get("group_name", "weight_update_group") != self.group_name:
+            return web.json_response({"success": False, "message": "The group to be destroyed does not exist."}, status=400)
+        torch.distributed.destroy_process_group(self.group)
+        self.group = None
+        return web.json_response({"success": True, "message": "Succeeded to destroy custom process group."})
+
+    async def update_from_distributed(self, request: web.Request) -> web.Response:
+        refused = self._outside_session("update_weights_from_distributed")
+        if refused is not None:
+            return refused
+        body = await request.json()
+        if self.group is None or self.args.refuse_distributed_updates:
+            return web.json_response({"success": False, "message": "no weight update group"}, status=400)
+
+        def receive():
+            named = []
+            for name, dtype, shape in zip(body["names"], body["dtypes"], body["shapes"]):
+                tensor = torch.empty(shape, dtype=getattr(torch, dtype))
+                torch.distributed.broadcast(tensor, src=0, group=self.group)
+                named.append((name, tensor))
+            return named
+
+        self._load(await asyncio.to_thread(receive), body.get("weight_version"))
+        return web.json_response({"success": True, "message": "ok"})
+
+    async def get_weight_version(self, request: web.Request) -> web.Response:
+        return web.json_response({"weight_version": self.weight_version})
+
+    async def pause(self, request: web.Request) -> web.Response:
+        self.resumed.clear()
+        return web.json_response({"message": "Generation paused successfully.", "status": "ok"})
+
+    async def resume(self, request: web.Request) -> web.Response:
+        self.resumed.set()
+        return web.json_response({"message": "Generation continued successfully.", "status": "ok"})
+
+    async def flush_cache(self, request: web.Request) -> web.Response:
+        if self.running:  # SGLang's scheduler flushes only when idle (requests held by a pause do not count)
+            return web.Response(text=f"Cache not flushed because there are pending requests. #running-req: {self.running}\n", status=400)
+        return web.Response(text="Cache flushed.\n")
+
+    async def health(self, request: web.Request) -> web.Response:
+        return web.Response(status=200)
+
+
+@web.middleware
+async def refuse_what_sglang_refuses(request: web.Request, handler):
+    """A control route's body that SGLang's request struct would not decode: HTTP 400, before the handler."""
+    if request.method == "POST" and request.path != "/generate" and request.can_read_body:
+        try:
+            body = await request.json()  # aiohttp keeps the body: the handler reads it again
+        except json.JSONDecodeError:
+            return web.json_response({"error": {"message": "the body is not JSON"}}, status=400)
+        problem = body_problem(request.path, body)
+        if problem:
+            return web.json_response({"error": {"message": problem}}, status=400)
+    return await handler(request)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--model-path", required=True)
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=30000)
+    parser.add_argument("--tp-size", type=int, default=1)
+    parser.add_argument("--skip-tokenizer-init", action="store_true")
+    parser.add_argument("--mem-fraction-static", type=float, default=None)
+    parser.add_argument("--dtype", default="auto", choices=["auto", *DTYPES])
+    parser.add_argument("--enable-deterministic-inference", action="store_true")
+    parser.add_argument("--die-after-generates", type=int, default=None)
+    parser.add_argument("--malformed", action="store_true")
+    parser.add_argument("--stale-version", action="store_true")
+    parser.add_argument("--exit-at-start", action="store_true")
+    parser.add_argument("--refuse-distributed-updates", action="store_true")
+    parser.add_argument("--legacy-api", action="store_true", help="an SGLang before weight-update sessions and /model_info's version")
+    args = parser.parse_args()  # an unknown flag exits with code 2, as SGLang's own parser makes it
+    if args.exit_at_start:
+        print("stand-in: exiting at start as asked", flush=True)
+        sys.exit(3)
+    server = StandIn(args)
+    app = web.Application(client_max_size=1 << 30, middlewares=[refuse_what_sglang_refuses])
+    app.router.add_get("/health", server.health)
+    app.router.add_get("/health_generate", server.health)
+    app.router.add_post("/generate", server.generate)
+    if args.legacy_api:
+        app.router.add_get("/get_weight_version", server.get_weight_version)
+    else:
+        app.router.add_get("/model_info", server.model_info)
+        app.router.add_get("/server_info", server.server_info)
+        app.router.add_post("/begin_weight_update", server.begin_update)
+        app.router.add_post("/end_weight_update", server.end_update)
+    app.router.add_post("/update_weights_from_disk", server.update_from_disk)
+    app.router.add_post("/update_weights_from_tensor", server.update_from_tensor)
+    app.router.add_post("/init_weights_update_group", server.init_group)
+    app.router.add_post("/update_weights_from_distributed", server.update_from_distributed)
+    app.router.add_post("/destroy_weights_update_group", server.destroy_group)
+    app.router.add_post("/pause_generation", server.pause)
+    app.router.add_post("/continue_generation", server.resume)
+    app.router.add_post("/flush_cache", server.flush_cache)
+    web.run_app(app, host=args.host, port=args.port, print=None)
+
+
+if __name__ == "__main__":
+    main()
