@@ -4,6 +4,7 @@ What each needs from the module, the datamodule and the other callbacks is state
 ``lit_parl.callbacks.contracts`` and checked when fit starts.
 """
 
+from .completion_samples import CompletionSamples, load_samples
 from .contracts import (
     HasPolicy,
     HasRolloutPool,
@@ -19,7 +20,6 @@ from .contracts import (
     TrainIntervals,
     WeightReceiver,
 )
-from .completion_samples import CompletionSamples, load_samples
 from .hf_export import HFExport
 from .pipeline_timeline import PipelineTimeline, load_timeline
 from .run_summary import RunSummary

@@ -13,8 +13,19 @@ from .contracts import HasTokenizer, SampleBatch, SampleRecord, require
 from .fit_end import is_last_epoch
 
 # the table's columns before one `reward/<name>` column per reward component
-COLUMNS = ("iteration", "version", "prompt_id", "sample_index", "prompt", "completion", "reward", "advantage",
-           "truncated", "correct", "failures")
+COLUMNS = (
+    "iteration",
+    "version",
+    "prompt_id",
+    "sample_index",
+    "prompt",
+    "completion",
+    "reward",
+    "advantage",
+    "truncated",
+    "correct",
+    "failures",
+)
 
 
 class CompletionSamples(Callback):
@@ -87,10 +98,18 @@ class CompletionSamples(Callback):
         ('0 9', '1 0', 0.5, {'exact': 1.0})
     """
 
-    def __init__(self, dirpath: str | None = None, every_n_iterations: int = 10, prompts: int = 4,
-                 filename: str = "samples.jsonl", key: str = "samples") -> None:
+    def __init__(
+        self,
+        dirpath: str | None = None,
+        every_n_iterations: int = 10,
+        prompts: int = 4,
+        filename: str = "samples.jsonl",
+        key: str = "samples",
+    ) -> None:
         if every_n_iterations < 1:
-            raise ValueError(f"CompletionSamples(every_n_iterations={every_n_iterations}): must be >= 1 (1: every iteration)")
+            raise ValueError(
+                f"CompletionSamples(every_n_iterations={every_n_iterations}): must be >= 1 (1: every iteration)"
+            )
         if prompts < 1:
             raise ValueError(f"CompletionSamples(prompts={prompts}): must be >= 1 group per written iteration")
         self.dirpath = dirpath
@@ -105,8 +124,13 @@ class CompletionSamples(Callback):
         self._checked = False
 
     def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        require(pl_module, HasTokenizer, owner="CompletionSamples", role="the LightningModule",
-                fix="Set `self.tokenizer` to the policy's Hugging Face tokenizer (GRPOModule takes `tokenizer=`).")
+        require(
+            pl_module,
+            HasTokenizer,
+            owner="CompletionSamples",
+            role="the LightningModule",
+            fix="Set `self.tokenizer` to the policy's Hugging Face tokenizer (GRPOModule takes `tokenizer=`).",
+        )
         self.path = Path(self.dirpath or trainer.default_root_dir) / self.filename
         self._checked = False
         if trainer.is_global_zero:
@@ -120,7 +144,9 @@ class CompletionSamples(Callback):
     def on_train_epoch_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self._kept = {}
 
-    def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int) -> None:
+    def on_train_batch_end(
+        self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
         # the training thread: keep references only, decode at the iteration's end
         if getattr(batch, "pass_index", 0) != 0:
             return
@@ -128,7 +154,13 @@ class CompletionSamples(Callback):
             fix = "Train on batches with a `trajectories` list of per-sample records, such as lit_parl.data.micro_batch.MicroBatch."
             require(batch, SampleBatch, owner="CompletionSamples", role="each training batch", fix=fix)
             if batch.trajectories:
-                require(batch.trajectories[0], SampleRecord, owner="CompletionSamples", role="each record of a batch's `trajectories`", fix=fix)
+                require(
+                    batch.trajectories[0],
+                    SampleRecord,
+                    owner="CompletionSamples",
+                    role="each record of a batch's `trajectories`",
+                    fix=fix,
+                )
             self._checked = True
         kept = self._kept
         for sample in batch.trajectories:
@@ -147,7 +179,9 @@ class CompletionSamples(Callback):
         if not trainer.is_global_zero or not self.is_due(trainer):
             return
         if not kept:
-            rank_zero_warn(f"CompletionSamples: iteration {trainer.current_epoch} trained no first-pass samples; none written.")
+            rank_zero_warn(
+                f"CompletionSamples: iteration {trainer.current_epoch} trained no first-pass samples; none written."
+            )
             return
         rows = self.make_rows(trainer.current_epoch, pl_module, list(kept.values()))
         with self.path.open("a") as lines:
@@ -155,10 +189,16 @@ class CompletionSamples(Callback):
         self.rows_written += len(rows)
         self.log_rows(trainer, rows)
 
-    def make_rows(self, iteration: int, pl_module: LightningModule, groups: list[list[SampleRecord]]) -> list[dict[str, Any]]:
+    def make_rows(
+        self, iteration: int, pl_module: LightningModule, groups: list[list[SampleRecord]]
+    ) -> list[dict[str, Any]]:
         """One JSON-ready row per sample of ``groups``, decoded: prompts once per group, completions in one call."""
         prompts = self.decode(pl_module, [group[0].prompt_tokens for group in groups])
-        samples = [(prompt, sample) for prompt, group in zip(prompts, groups) for sample in sorted(group, key=lambda s: s.sample_index)]
+        samples = [
+            (prompt, sample)
+            for prompt, group in zip(prompts, groups)
+            for sample in sorted(group, key=lambda s: s.sample_index)
+        ]
         completions = self.decode(pl_module, [sample.completion_tokens for _, sample in samples])
         return [
             {
@@ -187,7 +227,11 @@ class CompletionSamples(Callback):
         components = sorted({name for row in rows for name in row["reward_components"]})
         columns = [*COLUMNS, *(f"reward/{name}" for name in components)]
         data = [
-            [*(row[c] for c in COLUMNS[:-1]), ",".join(row["reward_failures"]), *(row["reward_components"].get(n) for n in components)]
+            [
+                *(row[c] for c in COLUMNS[:-1]),
+                ",".join(row["reward_failures"]),
+                *(row["reward_components"].get(n) for n in components),
+            ]
             for row in rows
         ]
         for logger in trainer.loggers:

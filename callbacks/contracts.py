@@ -1,4 +1,4 @@
-"""What the callbacks of ``lit_parl.callbacks`` need from the Trainer's module, datamodule and callbacks.
+r"""What the callbacks of ``lit_parl.callbacks`` need from the Trainer's module, datamodule and callbacks.
 
 Each callback states its needs as the ``typing.Protocol`` classes below and checks them once, when fit
 starts, so that a project missing a piece fails there with a message naming the attribute, the class

@@ -52,9 +52,16 @@ def new_record(trainer: Trainer, last_record: Any, owner: str, left_out_of: str)
     history = trainer.datamodule.history
     record = history[-1] if history else None
     if record is None or record is last_record:
-        rank_zero_warn(f"{owner}: iteration {trainer.current_epoch} ended without a new record in "
-                       f"{type(trainer.datamodule).__name__}.history; it is left out of the {left_out_of}.")
+        rank_zero_warn(
+            f"{owner}: iteration {trainer.current_epoch} ended without a new record in "
+            f"{type(trainer.datamodule).__name__}.history; it is left out of the {left_out_of}."
+        )
         return None
-    require(record, IterationRecord, owner=owner, role="each record of the datamodule's `history`",
-            fix="Append records with the fields of lit_parl.callbacks.IterationRecord (lit_parl.data.iteration_stats.IterationStats has them).")
+    require(
+        record,
+        IterationRecord,
+        owner=owner,
+        role="each record of the datamodule's `history`",
+        fix="Append records with the fields of lit_parl.callbacks.IterationRecord (lit_parl.data.iteration_stats.IterationStats has them).",
+    )
     return record

@@ -5,9 +5,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from lightning.pytorch import Callback, LightningModule, Trainer
-
 import torch
+from lightning.pytorch import Callback, LightningModule, Trainer
 
 from .contracts import HasPolicy, SavesPretrained, contract_problems, require
 from .full_tensors import full_tensors, is_sharded
@@ -75,13 +74,17 @@ class HFExport(Callback):
                     "has no `save_pretrained`. Use a transformers tokenizer, set `tokenizer = None`, or override `export`."
                 )
 
-    def export(self, pl_module: LightningModule, directory: Path, state_dict: dict[str, torch.Tensor] | None = None) -> None:
+    def export(
+        self, pl_module: LightningModule, directory: Path, state_dict: dict[str, torch.Tensor] | None = None
+    ) -> None:
         """Write the policy (safetensors) and the tokenizer, if any, into ``directory`` (on global rank 0).
 
         ``state_dict``: the policy's full weights when a strategy shards them (gathered on every rank); ``None``: the
         policy's own.
         """
-        pl_module.policy.save_pretrained(directory, state_dict=state_dict)  # safetensors: the default of transformers >= 4.35
+        pl_module.policy.save_pretrained(
+            directory, state_dict=state_dict
+        )  # safetensors: the default of transformers >= 4.35
         tokenizer = getattr(pl_module, "tokenizer", None)
         if tokenizer is not None:
             tokenizer.save_pretrained(directory)

@@ -106,12 +106,22 @@ class PipelineTimeline(Callback):
         self._offset = 0.0  # a resumed run continues after the restored iterations instead of overdrawing them
 
     def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        require(trainer.datamodule, IterationHistory, owner="PipelineTimeline", role="the datamodule",
-                fix="Give the datamodule a `history` list and append one record per iteration (fields of "
-                    "lit_parl.callbacks.IterationRecord), as lit_parl.RolloutDataModule does.")
-        require(pl_module, TrainIntervals, owner="PipelineTimeline", role="the LightningModule",
-                fix="Set `self.train_intervals = []` at each epoch start and append (start, end) time.monotonic() "
-                    "pairs around each training step, as lit_parl.GRPOModule does.")
+        require(
+            trainer.datamodule,
+            IterationHistory,
+            owner="PipelineTimeline",
+            role="the datamodule",
+            fix="Give the datamodule a `history` list and append one record per iteration (fields of "
+            "lit_parl.callbacks.IterationRecord), as lit_parl.RolloutDataModule does.",
+        )
+        require(
+            pl_module,
+            TrainIntervals,
+            owner="PipelineTimeline",
+            role="the LightningModule",
+            fix="Set `self.train_intervals = []` at each epoch start and append (start, end) time.monotonic() "
+            "pairs around each training step, as lit_parl.GRPOModule does.",
+        )
         sources = [cb for cb in trainer.callbacks if cb is not self and not contract_problems(cb, SyncTimes)]
         if len(sources) > 1:
             raise ValueError(
@@ -123,7 +133,11 @@ class PipelineTimeline(Callback):
         self._last_record = None
         self._file = Path(self.dirpath or trainer.default_root_dir) / "timeline.jsonl"
         if trainer.is_global_zero:  # keep the lines of the iterations this run restored (none for a new run)
-            kept = self._file.read_text().splitlines(keepends=True)[: self.count] if self._file.exists() and self.count else []
+            kept = (
+                self._file.read_text().splitlines(keepends=True)[: self.count]
+                if self._file.exists() and self.count
+                else []
+            )
             self._file.parent.mkdir(parents=True, exist_ok=True)
             self._file.write_text("".join(kept))
 
@@ -134,7 +148,9 @@ class PipelineTimeline(Callback):
     def on_train_epoch_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self._epoch_start = time.monotonic()
 
-    def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int) -> None:
+    def on_train_batch_end(
+        self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
         if not ends_iteration(trainer):  # booked here, not at the epoch's end: see lit_parl.callbacks.fit_end
             return
         record = new_record(trainer, self._last_record, owner="PipelineTimeline", left_out_of="timeline")
@@ -198,7 +214,13 @@ class PipelineTimeline(Callback):
             ax.broken_barh(spans, (y - 0.35, 0.7), facecolors=colour, label=label)
         for it in shown:
             ax.axvline(it["start"] - t0, color="black", lw=0.6, ls=":")
-            ax.text(it["start"] - t0, len(rows) - 0.45, f" it {it['iteration']}\n eff {it['overlap_efficiency']:.2f}", fontsize=7, va="top")
+            ax.text(
+                it["start"] - t0,
+                len(rows) - 0.45,
+                f" it {it['iteration']}\n eff {it['overlap_efficiency']:.2f}",
+                fontsize=7,
+                va="top",
+            )
         ax.set_yticks(range(len(rows)), [label for label, _, _ in reversed(rows)])
         ax.set_xlabel("seconds")
         ax.set_title("generation and training overlap inside each iteration; iterations never overlap", fontsize=9)

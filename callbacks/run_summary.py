@@ -81,12 +81,22 @@ class RunSummary(Callback):
         self._last_record: Any = None
 
     def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        require(trainer.datamodule, IterationHistory, owner="RunSummary", role="the datamodule",
-                fix="Give the datamodule a `history` list and append one record per iteration (fields of "
-                    "lit_parl.callbacks.IterationRecord), as lit_parl.RolloutDataModule does.")
-        require(pl_module, TrainIntervals, owner="RunSummary", role="the LightningModule",
-                fix="Set `self.train_intervals = []` at each epoch start and append (start, end) time.monotonic() "
-                    "pairs around each training step, as lit_parl.GRPOModule does.")
+        require(
+            trainer.datamodule,
+            IterationHistory,
+            owner="RunSummary",
+            role="the datamodule",
+            fix="Give the datamodule a `history` list and append one record per iteration (fields of "
+            "lit_parl.callbacks.IterationRecord), as lit_parl.RolloutDataModule does.",
+        )
+        require(
+            pl_module,
+            TrainIntervals,
+            owner="RunSummary",
+            role="the LightningModule",
+            fix="Set `self.train_intervals = []` at each epoch start and append (start, end) time.monotonic() "
+            "pairs around each training step, as lit_parl.GRPOModule does.",
+        )
         self._fit_start = time.monotonic()
         self._last_record = None
 
@@ -96,7 +106,9 @@ class RunSummary(Callback):
     def on_train_epoch_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self._epoch_start = time.monotonic()
 
-    def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int) -> None:
+    def on_train_batch_end(
+        self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
         if not ends_iteration(trainer):  # booked here, not at the epoch's end: see lit_parl.callbacks.fit_end
             return
         record = new_record(trainer, self._last_record, owner="RunSummary", left_out_of="summary")
@@ -107,9 +119,21 @@ class RunSummary(Callback):
         train_busy = sum(end - start for start, end in pl_module.train_intervals)
         # Under several ranks each record holds its rank's share: counts are summed over the ranks, busy times
         # averaged (the ranks generate and train side by side). One reduction; on one device it changes nothing.
-        local = torch.tensor([record.completions, record.completion_tokens, record.reward_sum, record.dropped_groups,
-                              record.gen_busy_s, train_busy], dtype=torch.float64, device=pl_module.device)
-        completions, tokens, reward_sum, dropped, gen_busy, train_busy = trainer.strategy.reduce(local, reduce_op="sum").tolist()
+        local = torch.tensor(
+            [
+                record.completions,
+                record.completion_tokens,
+                record.reward_sum,
+                record.dropped_groups,
+                record.gen_busy_s,
+                train_busy,
+            ],
+            dtype=torch.float64,
+            device=pl_module.device,
+        )
+        completions, tokens, reward_sum, dropped, gen_busy, train_busy = trainer.strategy.reduce(
+            local, reduce_op="sum"
+        ).tolist()
         gen_busy, train_busy = gen_busy / trainer.world_size, train_busy / trainer.world_size
         reward = reward_sum / max(completions, 1)  # the iteration's rollouts, before any reward shaping
         self.reward_first = reward if self.iterations == 0 else self.reward_first
@@ -119,7 +143,9 @@ class RunSummary(Callback):
         self.tokens += int(tokens)
         self.gen_busy_s += gen_busy
         self.train_busy_s += train_busy
-        pl_module.log("completions_per_s", completions / wall, prog_bar=True, on_step=False, on_epoch=True, batch_size=1)
+        pl_module.log(
+            "completions_per_s", completions / wall, prog_bar=True, on_step=False, on_epoch=True, batch_size=1
+        )
         pl_module.log("tokens_per_s", tokens / wall, on_step=False, on_epoch=True, batch_size=1)
         pl_module.log("gen_busy_s", gen_busy, on_step=False, on_epoch=True, batch_size=1)
         pl_module.log("train_busy_s", train_busy, on_step=False, on_epoch=True, batch_size=1)

@@ -9,9 +9,17 @@ from collections.abc import Iterable, Iterator
 import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
 
+from .contracts import (
+    HasPolicy,
+    HasRolloutPool,
+    IterationGate,
+    WeightBucket,
+    WeightReceiver,
+    contract_problems,
+    require,
+)
 from .fit_end import is_last_epoch
 from .full_tensors import full_tensors
-from .contracts import HasPolicy, HasRolloutPool, IterationGate, WeightBucket, WeightReceiver, contract_problems, require
 
 SYNCS_KEPT = 64  # sync intervals kept for readers such as PipelineTimeline (one per iteration)
 
@@ -91,12 +99,19 @@ class WeightSync(Callback):
         [(0, [['weight'], ['bias']]), (1, [['weight'], ['bias']])]
     """
 
-    def __init__(self, pool: WeightReceiver | None = None, bucket_bytes: int = 256 * 2**20, push_early: bool = True) -> None:
+    def __init__(
+        self, pool: WeightReceiver | None = None, bucket_bytes: int = 256 * 2**20, push_early: bool = True
+    ) -> None:
         if bucket_bytes <= 0:
             raise ValueError(f"WeightSync(bucket_bytes={bucket_bytes}): a bucket needs room for at least one byte")
         if pool is not None:  # given here: check it here, where the mistake is
-            require(pool, WeightReceiver, owner="WeightSync", role="its `pool` argument",
-                    fix="Pass an object with a `sync_weights(buckets, version)` method, such as a lit_parl.rollout pool.")
+            require(
+                pool,
+                WeightReceiver,
+                owner="WeightSync",
+                role="its `pool` argument",
+                fix="Pass an object with a `sync_weights(buckets, version)` method, such as a lit_parl.rollout pool.",
+            )
         self.pool = pool
         self.bucket_bytes = bucket_bytes
         self.push_early = push_early
@@ -144,20 +159,32 @@ class WeightSync(Callback):
         if self.pool is not None:
             self._receiver = self.pool
         elif datamodule is None or not hasattr(datamodule, "pool"):
-            where = "fit was given no datamodule" if datamodule is None else f"{type(datamodule).__name__} has no `pool`"
+            where = (
+                "fit was given no datamodule" if datamodule is None else f"{type(datamodule).__name__} has no `pool`"
+            )
             raise TypeError(
                 f"WeightSync has nowhere to send the weights: it was given no pool and {where}. Pass "
                 "WeightSync(pool=...) an object with `sync_weights(buckets, version)`, or use "
                 "lit_parl.RolloutDataModule (or any datamodule with such a `pool` attribute)."
             )
         else:
-            require(datamodule, HasRolloutPool, owner="WeightSync", role="the datamodule",
-                    fix="Its `pool` must have a `sync_weights(buckets, version)` method; or pass WeightSync(pool=...).")
+            require(
+                datamodule,
+                HasRolloutPool,
+                owner="WeightSync",
+                role="the datamodule",
+                fix="Its `pool` must have a `sync_weights(buckets, version)` method; or pass WeightSync(pool=...).",
+            )
             self._receiver = datamodule.pool
         if type(self).policy_tensors is WeightSync.policy_tensors:  # an override reads the weights its own way
-            require(pl_module, HasPolicy, owner="WeightSync", role="the LightningModule",
-                    fix="Keep the model whose weights the pool needs as `self.policy` (a torch.nn.Module), or "
-                        "subclass WeightSync and override `policy_tensors`.")
+            require(
+                pl_module,
+                HasPolicy,
+                owner="WeightSync",
+                role="the LightningModule",
+                fix="Keep the model whose weights the pool needs as `self.policy` (a torch.nn.Module), or "
+                "subclass WeightSync and override `policy_tensors`.",
+            )
         self._pushed_for_epoch = None
         # the gate is optional: without one, the datamodule does not wait for the weights
         self._gate = datamodule if datamodule is not None and not contract_problems(datamodule, IterationGate) else None
@@ -190,4 +217,3 @@ class WeightSync(Callback):
         if self._gate is not None:
             self._gate.open_iteration(version)
         self.sync_intervals.append((start, time.monotonic()))
-

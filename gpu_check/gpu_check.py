@@ -19,12 +19,11 @@ import time
 import traceback
 from pathlib import Path
 
+import gpu_kernels
 import torch
+from gpu_records import log
 
 from lit_parl.kernels.backends import HALF_ONLY, available_backends
-
-import gpu_kernels
-from gpu_records import log
 
 
 def preset_fit(out: Path, device: torch.device, iterations: int) -> None:
@@ -35,8 +34,15 @@ def preset_fit(out: Path, device: torch.device, iterations: int) -> None:
     from lit_parl.cli import build
 
     for checkpointing in (False, True):
-        overrides = ["trainer=gpu", f"iterations={iterations}", "trainer.max_time=null", "checkpoint_every=0", "logger=csv",
-                     f"run_dir={out / ('fit_checkpointed' if checkpointing else 'fit')}", f"module.gradient_checkpointing={str(checkpointing).lower()}"]
+        overrides = [
+            "trainer=gpu",
+            f"iterations={iterations}",
+            "trainer.max_time=null",
+            "checkpoint_every=0",
+            "logger=csv",
+            f"run_dir={out / ('fit_checkpointed' if checkpointing else 'fit')}",
+            f"module.gradient_checkpointing={str(checkpointing).lower()}",
+        ]
         if device.type != "cuda":
             overrides.append("trainer.accelerator=cpu")
         with initialize_config_module(config_module="lit_parl.conf", version_base="1.3"):
@@ -47,13 +53,33 @@ def preset_fit(out: Path, device: torch.device, iterations: int) -> None:
         start = time.perf_counter()
         trainer.fit(module, datamodule=datamodule)
         summary = next((c.summary for c in trainer.callbacks if isinstance(c, RunSummary)), {})
-        dtypes = sorted({str(p.dtype) for m in (module.policy, module.old, module.reference) if m is not None for p in m.parameters()})
-        ok = str(trainer.precision) == "bf16-mixed" and dtypes == ["torch.float32"] and trainer.current_epoch == iterations
-        log(out, {"check": f"fit_trainer_gpu{'_checkpointed' if checkpointing else ''}", "status": "ok" if ok else "FAILED",
-                  "precision": str(trainer.precision), "attention_backend": module._backend, "weight_dtypes": dtypes,
-                  "iterations": trainer.current_epoch, "wall_s": round(time.perf_counter() - start, 1),
-                  "peak_gpu_mib": torch.cuda.max_memory_allocated() / 2**20 if device.type == "cuda" else None,
-                  **{k: summary.get(k) for k in ("reward_first", "reward_last10", "completions_per_s")}})
+        dtypes = sorted(
+            {
+                str(p.dtype)
+                for m in (module.policy, module.old, module.reference)
+                if m is not None
+                for p in m.parameters()
+            }
+        )
+        ok = (
+            str(trainer.precision) == "bf16-mixed"
+            and dtypes == ["torch.float32"]
+            and trainer.current_epoch == iterations
+        )
+        log(
+            out,
+            {
+                "check": f"fit_trainer_gpu{'_checkpointed' if checkpointing else ''}",
+                "status": "ok" if ok else "FAILED",
+                "precision": str(trainer.precision),
+                "attention_backend": module._backend,
+                "weight_dtypes": dtypes,
+                "iterations": trainer.current_epoch,
+                "wall_s": round(time.perf_counter() - start, 1),
+                "peak_gpu_mib": torch.cuda.max_memory_allocated() / 2**20 if device.type == "cuda" else None,
+                **{k: summary.get(k) for k in ("reward_first", "reward_last10", "completions_per_s")},
+            },
+        )
 
 
 def main() -> None:
@@ -65,8 +91,17 @@ def main() -> None:
     out = Path(args.out)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     backends = [b for b in available_backends(device) if b != "dense"]
-    log(out, {"check": "environment", "status": "ok", "device": str(device), "torch": torch.__version__,
-              "gpu": torch.cuda.get_device_name() if device.type == "cuda" else None, "backends": backends})
+    log(
+        out,
+        {
+            "check": "environment",
+            "status": "ok",
+            "device": str(device),
+            "torch": torch.__version__,
+            "gpu": torch.cuda.get_device_name() if device.type == "cuda" else None,
+            "backends": backends,
+        },
+    )
     steps = [(gpu_kernels.float32_exactness, b) for b in backends if b not in HALF_ONLY]
     steps += [(check, b) for check in (gpu_kernels.bfloat16_kernels, gpu_kernels.bfloat16_model) for b in backends]
     if not args.skip_speed:
@@ -75,7 +110,10 @@ def main() -> None:
         try:
             check(out, device, backend)
         except Exception:  # noqa: BLE001 - one failing backend must not hide the others' results
-            log(out, {"check": f"{check.__name__}_{backend}", "status": "FAILED", "error": traceback.format_exc()[-2000:]})
+            log(
+                out,
+                {"check": f"{check.__name__}_{backend}", "status": "FAILED", "error": traceback.format_exc()[-2000:]},
+            )
     try:
         preset_fit(out, device, args.iterations)
     except Exception:  # noqa: BLE001

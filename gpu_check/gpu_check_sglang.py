@@ -29,14 +29,13 @@ import traceback
 from pathlib import Path
 
 import torch
+from gpu_records import log
 
 from lit_parl.models import tiny_qwen2
 from lit_parl.rollout import PoolSpec
+from lit_parl.rollout.records import GroupRequest, SamplingParams, sample_seed
 from lit_parl.rollout.sglang import LaunchSettings, SGLangRolloutPool, SyncSettings
 from lit_parl.tasks import CopyTask
-from lit_parl.rollout.records import GroupRequest, SamplingParams, sample_seed
-
-from gpu_records import log
 
 
 def free_port() -> int:
@@ -63,10 +62,14 @@ def sync_and_generate(pool, method, version, model, previous, tokenizer, task, s
     requests = []
     for prompt_id in range(16):
         text, _ = task.make(prompt_id)
-        requests.append(GroupRequest(
-            prompt_id=prompt_id, prompt_tokens=tuple(tokenizer(text, add_special_tokens=False).input_ids), version=version,
-            seeds=tuple(sample_seed(0, version, prompt_id, k) for k in range(8)),
-        ))
+        requests.append(
+            GroupRequest(
+                prompt_id=prompt_id,
+                prompt_tokens=tuple(tokenizer(text, add_special_tokens=False).input_ids),
+                version=version,
+                seeds=tuple(sample_seed(0, version, prompt_id, k) for k in range(8)),
+            )
+        )
     t0 = time.monotonic()
     groups = list(pool.generate(requests, sampling))
     generate_s = time.monotonic() - t0
@@ -76,29 +79,57 @@ def sync_and_generate(pool, method, version, model, previous, tokenizer, task, s
         for completion, logprobs in zip(group.completions, group.logprobs):
             served = torch.tensor(logprobs)
             prompt = by_id[group.prompt_id].prompt_tokens
-            new_diff = max(new_diff, float((served - trainer_logprobs(model, prompt, completion, sampling.temperature)).abs().max()))
+            new_diff = max(
+                new_diff,
+                float((served - trainer_logprobs(model, prompt, completion, sampling.temperature)).abs().max()),
+            )
             if previous is not None:
-                old_diff = max(old_diff, float((served - trainer_logprobs(previous, prompt, completion, sampling.temperature)).abs().max()))
+                old_diff = max(
+                    old_diff,
+                    float((served - trainer_logprobs(previous, prompt, completion, sampling.temperature)).abs().max()),
+                )
     versions = sorted({g.version for g in groups})
-    ok = versions == [version] and len(groups) == 16 and new_diff < tolerance and (previous is None or old_diff > tolerance)
+    ok = (
+        versions == [version]
+        and len(groups) == 16
+        and new_diff < tolerance
+        and (previous is None or old_diff > tolerance)
+    )
     return {
-        "check": f"sglang_sync_{method}", "status": "ok" if ok else "FAILED", "version": version, "group_versions": versions,
-        "groups": len(groups), "max_abs_logprob_diff_new_weights": round(new_diff, 5),
+        "check": f"sglang_sync_{method}",
+        "status": "ok" if ok else "FAILED",
+        "version": version,
+        "group_versions": versions,
+        "groups": len(groups),
+        "max_abs_logprob_diff_new_weights": round(new_diff, 5),
         "max_abs_logprob_diff_old_weights": round(old_diff, 5) if previous is not None else None,
-        "sync_s": round(sync_s, 3), "generate_s": round(generate_s, 3), "completions_per_s": round(16 * 8 / generate_s, 1),
+        "sync_s": round(sync_s, 3),
+        "generate_s": round(generate_s, 3),
+        "completions_per_s": round(16 * 8 / generate_s, 1),
     }
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", type=Path, default=Path("gpu_check_out"))
-    parser.add_argument("--launch-command", nargs="+", default=None, help="server command (default: python -m sglang.launch_server)")
-    parser.add_argument("--tolerance", type=float, default=0.1, help="max |log-prob difference| server vs trainer (bf16 kernels)")
+    parser.add_argument(
+        "--launch-command", nargs="+", default=None, help="server command (default: python -m sglang.launch_server)"
+    )
+    parser.add_argument(
+        "--tolerance", type=float, default=0.1, help="max |log-prob difference| server vs trainer (bf16 kernels)"
+    )
     parser.add_argument("--dtype", default="bfloat16", help="the server's --dtype (the stand-in's test: float32)")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     if args.launch_command is None and importlib.util.find_spec("sglang") is None:
-        log(args.out, {"check": "sglang", "status": "skipped", "why": "sglang is not importable here (carry its wheels: docs/gpu.md, The GPU check)"})
+        log(
+            args.out,
+            {
+                "check": "sglang",
+                "status": "skipped",
+                "why": "sglang is not importable here (carry its wheels: docs/gpu.md, The GPU check)",
+            },
+        )
         return
     device = torch.device("cuda" if torch.cuda.is_available() and args.launch_command is None else "cpu")
     models = [tiny_qwen2(seed=s)[0].to(device).eval() for s in range(4)]
@@ -113,10 +144,23 @@ def main() -> None:
     methods = ["disk", "tensor", "distributed"]
     if gpus == 1:  # NCCL refuses two ranks of one group on one device: the trainer and the server share it here
         methods.remove("distributed")
-        log(args.out, {"check": "sglang_sync_distributed", "status": "skipped", "why": "one GPU: the trainer and the server would be two NCCL ranks on one device"})
+        log(
+            args.out,
+            {
+                "check": "sglang_sync_distributed",
+                "status": "skipped",
+                "why": "one GPU: the trainer and the server would be two NCCL ranks on one device",
+            },
+        )
     pool = SGLangRolloutPool(
-        launch=LaunchSettings(port=free_port(), command=args.launch_command, args=server_args,
-                              mem_fraction_static=0.3 if gpus == 1 else 0.6, dtype=args.dtype, start_timeout_s=300),
+        launch=LaunchSettings(
+            port=free_port(),
+            command=args.launch_command,
+            args=server_args,
+            mem_fraction_static=0.3 if gpus == 1 else 0.6,
+            dtype=args.dtype,
+            start_timeout_s=300,
+        ),
         sync=SyncSettings(master_port=free_port(), backend="nccl" if device.type == "cuda" else "gloo"),
     )
     model_dir = tempfile.TemporaryDirectory(prefix="gpu_check_sglang_")  # the launched server builds its model here
@@ -130,12 +174,28 @@ def main() -> None:
         for version, method in enumerate(methods):
             model = models[version + 1]
             try:
-                log(args.out, sync_and_generate(pool, method, version, model, previous, tokenizer, task, sampling, args.tolerance))
+                log(
+                    args.out,
+                    sync_and_generate(
+                        pool, method, version, model, previous, tokenizer, task, sampling, args.tolerance
+                    ),
+                )
                 previous = model
             except Exception as error:  # noqa: BLE001 - the other methods still run
-                log(args.out, {"check": f"sglang_sync_{method}", "status": "FAILED", "error": repr(error), "traceback": traceback.format_exc()[-3000:]})
+                log(
+                    args.out,
+                    {
+                        "check": f"sglang_sync_{method}",
+                        "status": "FAILED",
+                        "error": repr(error),
+                        "traceback": traceback.format_exc()[-3000:],
+                    },
+                )
     except Exception as error:  # noqa: BLE001 - the check reports, the next section still runs
-        log(args.out, {"check": "sglang", "status": "FAILED", "error": repr(error), "traceback": traceback.format_exc()[-3000:]})
+        log(
+            args.out,
+            {"check": "sglang", "status": "FAILED", "error": repr(error), "traceback": traceback.format_exc()[-3000:]},
+        )
     finally:
         pool.close()
         model_dir.cleanup()

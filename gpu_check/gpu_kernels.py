@@ -17,21 +17,28 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from gpu_records import log
 from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
 
 from lit_parl.kernels.attention import shared_prompt_attention
 from lit_parl.kernels.forward import completion_logprobs
 from lit_parl.kernels.packing import dense_allowed, pack
 
-from gpu_records import log
-
 MODELS = (Qwen2Config, LlamaConfig)
 GROUPS = ([17, 64, 5, 300], [[9, 1, 30, 12], [40, 40], [3, 7, 2], [128] * 8])  # prompt lengths, completion lengths
 
 
 def tiny(config_cls, dtype, device, kv_heads=2, seed=0):
-    config = config_cls(vocab_size=97, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
-                        num_key_value_heads=kv_heads, max_position_embeddings=4096, tie_word_embeddings=False)
+    config = config_cls(
+        vocab_size=97,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=kv_heads,
+        max_position_embeddings=4096,
+        tie_word_embeddings=False,
+    )
     torch.manual_seed(seed)
     return AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa").to(device)
 
@@ -77,9 +84,16 @@ def float32_exactness(out: Path, device: torch.device, backend: str) -> None:
         mask = packed.completion_mask
         vs_dense, vs_unpacked = (lp - lp_dense)[mask].abs().max().item(), (lp - lp_padded)[mask].abs().max().item()
         grad_error = _relative_grad_error(grads, grads_dense)
-        log(out, {"check": f"float32_exactness_{backend}_{config_cls.__name__}", "max_abs_logprob_vs_dense": vs_dense,
-                  "max_abs_logprob_vs_unpacked": vs_unpacked, "max_rel_grad_vs_dense": grad_error,
-                  "status": "ok" if max(vs_dense, vs_unpacked) <= 1e-4 and grad_error <= 1e-3 else "FAILED"})
+        log(
+            out,
+            {
+                "check": f"float32_exactness_{backend}_{config_cls.__name__}",
+                "max_abs_logprob_vs_dense": vs_dense,
+                "max_abs_logprob_vs_unpacked": vs_unpacked,
+                "max_rel_grad_vs_dense": grad_error,
+                "status": "ok" if max(vs_dense, vs_unpacked) <= 1e-4 and grad_error <= 1e-3 else "FAILED",
+            },
+        )
 
 
 def bfloat16_kernels(out: Path, device: torch.device, backend: str) -> None:
@@ -94,12 +108,22 @@ def bfloat16_kernels(out: Path, device: torch.device, backend: str) -> None:
         k = (torch.randn(B, Hkv, L, D, device=device, generator=g) * 2).bfloat16()
         v = torch.randn(B, Hkv, L, D, device=device, generator=g).bfloat16()
         expand = lambda t: t.float().repeat_interleave(H // Hkv, 1)  # noqa: E731
-        ref = F.scaled_dot_product_attention(q.float(), expand(k), expand(v), attn_mask=dense_allowed(layout), scale=D**-0.5).transpose(1, 2)
+        ref = F.scaled_dot_product_attention(
+            q.float(), expand(k), expand(v), attn_mask=dense_allowed(layout), scale=D**-0.5
+        ).transpose(1, 2)
         scale = ref[real].abs().max().item()
         got, _ = shared_prompt_attention(None, q, k, v, None, scaling=D**-0.5, shared_prompt=layout)
         error = (got.float() - ref)[real].abs().max().item()
-        log(out, {"check": f"bfloat16_kernel_{backend}_h{H}kv{Hkv}d{D}", "output_dtype": str(got.dtype), "max_abs_vs_f32": error,
-                  "ref_max_abs": scale, "status": "ok" if got.dtype == torch.bfloat16 and error <= 2e-2 * scale else "FAILED"})
+        log(
+            out,
+            {
+                "check": f"bfloat16_kernel_{backend}_h{H}kv{Hkv}d{D}",
+                "output_dtype": str(got.dtype),
+                "max_abs_vs_f32": error,
+                "ref_max_abs": scale,
+                "status": "ok" if got.dtype == torch.bfloat16 and error <= 2e-2 * scale else "FAILED",
+            },
+        )
 
 
 def bfloat16_model(out: Path, device: torch.device, backend: str) -> None:
@@ -113,17 +137,32 @@ def bfloat16_model(out: Path, device: torch.device, backend: str) -> None:
         packed.attention.backend = backend
         logp, grads = _logprobs_and_grads(model, packed, weights, autocast=True)
         error = (logp - expected)[padded.completion_mask].abs()
-        log(out, {"check": f"bf16_mixed_model_{backend}_{config_cls.__name__}", "mean_abs_logprob_vs_f32_unpacked": error.mean().item(),
-                  "max_abs_logprob_vs_f32_unpacked": error.max().item(), "max_rel_grad_vs_f32_unpacked": _relative_grad_error(grads, expected_grads),
-                  "status": "ok" if error.mean().item() <= 0.05 and error.max().item() <= 0.25 else "FAILED"})
+        log(
+            out,
+            {
+                "check": f"bf16_mixed_model_{backend}_{config_cls.__name__}",
+                "mean_abs_logprob_vs_f32_unpacked": error.mean().item(),
+                "max_abs_logprob_vs_f32_unpacked": error.max().item(),
+                "max_rel_grad_vs_f32_unpacked": _relative_grad_error(grads, expected_grads),
+                "status": "ok" if error.mean().item() <= 0.05 and error.max().item() <= 0.25 else "FAILED",
+            },
+        )
 
 
 def speed(out: Path, device: torch.device, backend: str, reps: int = 5) -> None:
     from lit_parl import GRPOModule, GRPOObjective, IterationShape
     from lit_parl.data.micro_batch import Trajectory, collate
 
-    config = Qwen2Config(vocab_size=32000, hidden_size=512, intermediate_size=1536, num_hidden_layers=8, num_attention_heads=8,
-                         num_key_value_heads=4, tie_word_embeddings=True, max_position_embeddings=8192)
+    config = Qwen2Config(
+        vocab_size=32000,
+        hidden_size=512,
+        intermediate_size=1536,
+        num_hidden_layers=8,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        tie_word_embeddings=True,
+        max_position_embeddings=8192,
+    )
     torch.manual_seed(0)
     policy = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16, attn_implementation="sdpa").to(device)
     shape = IterationShape(prompts=2, group_size=8, micro_batch_size=8, mini_batches=2)
@@ -131,8 +170,20 @@ def speed(out: Path, device: torch.device, backend: str, reps: int = 5) -> None:
     for P, R, G in [(512, 64, 8), (2048, 128, 16), (128, 32, 4)]:
         g = torch.Generator().manual_seed(P + R + G)
         prompt = torch.randint(3, 32000, (P,), generator=g).tolist()
-        trajectories = [Trajectory(0, s, 0, prompt, torch.randint(3, 32000, (R,), generator=g).tolist(), [-1.0] * R, 0.0, float(s % 2) - 0.5, False)
-                        for s in range(G)]
+        trajectories = [
+            Trajectory(
+                0,
+                s,
+                0,
+                prompt,
+                torch.randint(3, 32000, (R,), generator=g).tolist(),
+                [-1.0] * R,
+                0.0,
+                float(s % 2) - 0.5,
+                False,
+            )
+            for s in range(G)
+        ]
         results = {}
         for packing in ("padded", "shared_prompt"):
             batch = to_device(collate(trajectories, 0, 0, packing=packing), device)
@@ -158,6 +209,16 @@ def speed(out: Path, device: torch.device, backend: str, reps: int = 5) -> None:
                 times.append(time.perf_counter() - start)
             peak = torch.cuda.max_memory_allocated() / 2**20 if device.type == "cuda" else None
             results[packing] = (sorted(times)[len(times) // 2], peak)
-        log(out, {"check": f"speed_{backend}_P{P}_R{R}_G{G}", "status": "ok", "token_ratio": G * (P + R) / (P + G * R),
-                  "padded_s": results["padded"][0], "packed_s": results["shared_prompt"][0], "speedup": results["padded"][0] / results["shared_prompt"][0],
-                  "padded_peak_mib": results["padded"][1], "packed_peak_mib": results["shared_prompt"][1]})
+        log(
+            out,
+            {
+                "check": f"speed_{backend}_P{P}_R{R}_G{G}",
+                "status": "ok",
+                "token_ratio": G * (P + R) / (P + G * R),
+                "padded_s": results["padded"][0],
+                "packed_s": results["shared_prompt"][0],
+                "speedup": results["padded"][0] / results["shared_prompt"][0],
+                "padded_peak_mib": results["padded"][1],
+                "packed_peak_mib": results["shared_prompt"][1],
+            },
+        )

@@ -21,7 +21,6 @@ import sys
 from pathlib import Path
 
 import torch
-
 from gpu_records import log
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -29,7 +28,18 @@ SCRIPT = ROOT / "tests" / "distributed_fit.py"
 
 
 def run(out: Path, strategy: str, devices: int) -> dict:
-    command = [sys.executable, str(SCRIPT), "--strategy", strategy, "--devices", str(devices), "--accelerator", "gpu", "--out", str(out)]
+    command = [
+        sys.executable,
+        str(SCRIPT),
+        "--strategy",
+        strategy,
+        "--devices",
+        str(devices),
+        "--accelerator",
+        "gpu",
+        "--out",
+        str(out),
+    ]
     try:
         result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=120)
     except subprocess.TimeoutExpired:
@@ -37,8 +47,11 @@ def run(out: Path, strategy: str, devices: int) -> dict:
     if result.returncode != 0:
         return {"error": result.stderr[-3000:]}
     ranks = [json.loads(p.read_text()) for p in sorted(out.glob("rank*.json"))]
-    return {"policy": torch.load(out / "policy.pt"), "samples": sorted(tuple(s) for r in ranks for s in r["samples"]),
-            "shares": [len(r["samples"]) for r in ranks]}
+    return {
+        "policy": torch.load(out / "policy.pt"),
+        "samples": sorted(tuple(s) for r in ranks for s in r["samples"]),
+        "shares": [len(r["samples"]) for r in ranks],
+    }
 
 
 def main() -> None:
@@ -61,15 +74,31 @@ def main() -> None:
     for strategy in ("ddp", "fsdp2", "fsdp", "deepspeed2", "deepspeed3"):
         result = run(out / strategy, strategy, world)
         if "error" in result:
-            log(records, {"check": f"strategy_{strategy}", "status": "FAILED", "world_size": world, "error": result["error"]})
+            log(
+                records,
+                {"check": f"strategy_{strategy}", "status": "FAILED", "world_size": world, "error": result["error"]},
+            )
             failed = True
             continue
-        worst = max(float((result["policy"][k] - v).abs().max() / v.abs().max().clamp(min=1e-12)) for k, v in single["policy"].items())
+        worst = max(
+            float((result["policy"][k] - v).abs().max() / v.abs().max().clamp(min=1e-12))
+            for k, v in single["policy"].items()
+        )
         same_samples = result["samples"] == single["samples"] and len(set(result["samples"])) == len(result["samples"])
         ok = worst <= 1e-4 and same_samples
         failed |= not ok
-        log(records, {"check": f"strategy_{strategy}", "status": "ok" if ok else "FAILED", "world_size": world, "note": note,
-                      "max_rel_diff_from_one_device": worst, "shares": result["shares"], "every_sample_once_as_one_device": same_samples})
+        log(
+            records,
+            {
+                "check": f"strategy_{strategy}",
+                "status": "ok" if ok else "FAILED",
+                "world_size": world,
+                "note": note,
+                "max_rel_diff_from_one_device": worst,
+                "shares": result["shares"],
+                "every_sample_once_as_one_device": same_samples,
+            },
+        )
     sys.exit(1 if failed else 0)
 
 

@@ -85,7 +85,9 @@ def _npu(query, key, value, layout: SharedPromptLayout, scaling: float, window: 
         vs = v[bucket.key_index].transpose(1, 2).repeat_interleave(groups, dim=1)
         mask = bucket.allowed if window is None else bucket.windowed(window)
         # npu_fusion_attention's atten_mask: True marks a position that does NOT take part
-        o = torch_npu.npu_fusion_attention(qs, ks, vs, qs.shape[1], input_layout="BNSD", atten_mask=~mask, scale=scaling, keep_prob=1.0)[0]
+        o = torch_npu.npu_fusion_attention(
+            qs, ks, vs, qs.shape[1], input_layout="BNSD", atten_mask=~mask, scale=scaling, keep_prob=1.0
+        )[0]
         o = o.transpose(1, 2)
         out[bucket.query_index[bucket.query_valid]] = o[bucket.query_valid]
     return out
@@ -115,7 +117,12 @@ def _flash(query, key, value, layout: SharedPromptLayout, scaling: float, window
 
 def _dense(query, key, value, layout: SharedPromptLayout, scaling: float, window: int | None) -> torch.Tensor:
     o = F.scaled_dot_product_attention(
-        query, key, value, attn_mask=dense_allowed(layout, window), scale=scaling, enable_gqa=query.shape[1] != key.shape[1]
+        query,
+        key,
+        value,
+        attn_mask=dense_allowed(layout, window),
+        scale=scaling,
+        enable_gqa=query.shape[1] != key.shape[1],
     )
     return _flat(o)
 
@@ -142,7 +149,9 @@ def _flex(query, key, value, layout: SharedPromptLayout, scaling: float, window:
     from torch.nn.attention.flex_attention import flex_attention
 
     if query.device.type not in _flex_by_device:  # compiled on GPU; eager elsewhere (tests)
-        _flex_by_device[query.device.type] = torch.compile(flex_attention, dynamic=True) if query.is_cuda else flex_attention
+        _flex_by_device[query.device.type] = (
+            torch.compile(flex_attention, dynamic=True) if query.is_cuda else flex_attention
+        )
     masks = layout.__dict__.setdefault("_block_masks", {})  # built once per micro-batch, shared by all layers
     if window not in masks:
         masks[window] = flex_block_mask(layout, query.device, window)

@@ -85,7 +85,9 @@ def resolve_backend(requested: str, device: torch.device | str, dtype: torch.dty
             "flash": "a CUDA device and the flash-attn package (pip install 'lit-parl[flash-attn]')",
             "npu": "an Ascend NPU and torch_npu (pip install 'lit-parl[torch-npu]')",
         }[requested]
-        raise RuntimeError(f"attention backend {requested!r} cannot run on {_device_type(device)}: it needs {needs}. Available here: {available}")
+        raise RuntimeError(
+            f"attention backend {requested!r} cannot run on {_device_type(device)}: it needs {needs}. Available here: {available}"
+        )
     if dtype is not None:
         check_dtype(requested, dtype)
     return requested

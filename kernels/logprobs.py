@@ -50,7 +50,9 @@ class _LinearTokenLogprobs(torch.autograd.Function):
         need_h, need_w, need_b = ctx.needs_input_grad[:3]
         grad_hidden = torch.empty_like(hidden) if need_h else None
         grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_w else None
-        grad_bias = torch.zeros(bias.shape, dtype=torch.float32, device=bias.device) if need_b and bias is not None else None
+        grad_bias = (
+            torch.zeros(bias.shape, dtype=torch.float32, device=bias.device) if need_b and bias is not None else None
+        )
         for start in range(0, hidden.shape[0], ctx.chunk_size):
             end = start + ctx.chunk_size
             h = hidden[start:end]

@@ -46,7 +46,9 @@ class SegmentBucket:
     key_index: torch.Tensor  # [S, Kmax] long
     allowed: torch.Tensor  # [S, 1, Qmax, Kmax] bool
     query_valid: torch.Tensor  # [S, Qmax] bool
-    key_offset: torch.Tensor  # [S] k_len - q_len: query i is key i + key_offset (also its position in the segment's keys)
+    key_offset: (
+        torch.Tensor
+    )  # [S] k_len - q_len: query i is key i + key_offset (also its position in the segment's keys)
 
     def windowed(self, window: int) -> torch.Tensor:
         """``allowed`` restricted to a sliding window: query i sees key j only if (i + key_offset) - j < window.
@@ -111,7 +113,9 @@ def _bucket(q_start: torch.Tensor, q_len: torch.Tensor, p_start: torch.Tensor, p
     j = torch.arange(int(k_len.max()))[None, :]
     query_valid = i < q_len[:, None]
     query_index = (q_start[:, None] + i) * query_valid
-    key_index = torch.where(j < p_len[:, None], p_start[:, None] + j, q_start[:, None] + (j - p_len[:, None])) * (j < k_len[:, None])
+    key_index = torch.where(j < p_len[:, None], p_start[:, None] + j, q_start[:, None] + (j - p_len[:, None])) * (
+        j < k_len[:, None]
+    )
     # bottom-right causal: query i is the (key_offset + i)-th key (so it never sees past the segment's keys);
     # padded query slots see no key but key 0, so no softmax row is empty
     last_key = (i + key_offset[:, None]).masked_fill(~query_valid, -1)
@@ -136,7 +140,9 @@ def pack(
     if any(len(c) == 0 for c in completions):
         raise ValueError("every completion needs at least one token")
     if any(len(p) == 0 for p, _ in groups):
-        raise ValueError("every prompt needs at least one token (a completion's first token is read at the prompt's last position)")
+        raise ValueError(
+            "every prompt needs at least one token (a completion's first token is read at the prompt's last position)"
+        )
     width = max(len(c) for c in completions)
     prompt_len = [len(p) for p, _ in groups]
     sample_len = [len(c) for c in completions]
@@ -237,7 +243,9 @@ def pack(
     key_len = seg_prompt_len + seg_len
     key_owner, j = _expand(key_len, total + prompt_keys)
     key_prompt_len = seg_prompt_len[key_owner]
-    key_index = torch.where(j < key_prompt_len, seg_prompt_start[key_owner] + j, seg_start[key_owner] + (j - key_prompt_len))
+    key_index = torch.where(
+        j < key_prompt_len, seg_prompt_start[key_owner] + j, seg_start[key_owner] + (j - key_prompt_len)
+    )
     zero = seg_len.new_zeros(1)
     cu_q = torch.cat([zero, seg_len]).cumsum(0, dtype=torch.int32)
     cu_k = torch.cat([zero, key_len]).cumsum(0, dtype=torch.int32)

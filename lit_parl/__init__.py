@@ -15,7 +15,7 @@ import logging  # noqa: E402
 # the user can act on. Only that message is dropped.
 logging.getLogger("DeepSpeed").addFilter(lambda record: "Setting accelerator to CPU" not in record.getMessage())
 
-import importlib
+import importlib  # noqa: E402
 
 # Imported on first use, so that ``import lit_parl.callbacks`` (usable in any Lightning project) does not
 # load the data path, the module and transformers' model classes.

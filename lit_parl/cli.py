@@ -50,7 +50,9 @@ def _quiet_console(run_dir: Path) -> None:
     if not run_dir.exists() or {p.name for p in run_dir.iterdir()} <= {".hydra"}:
         # a fresh run: the directory holds only Hydra's record of the config, which the CSV logger may share
         warnings.filterwarnings("ignore", message=r"Experiment logs directory .* exists and is not empty")
-    logging.getLogger("lightning.pytorch.utilities.rank_zero").addFilter(lambda record: "litlogger" not in record.getMessage())
+    logging.getLogger("lightning.pytorch.utilities.rank_zero").addFilter(
+        lambda record: "litlogger" not in record.getMessage()
+    )
     import transformers
 
     transformers.utils.logging.disable_progress_bar()  # "Writing model shards" bars for a model of a few MB
@@ -64,7 +66,9 @@ def _logger(cfg: DictConfig):
         missing = isinstance(error, ImportError) or isinstance(error.__cause__, ImportError)  # Hydra wraps the cause
         if extra is None or not missing:
             raise
-        raise ImportError(f"logger={extra} needs its package: pip install 'lit-parl[{extra}]' (or use logger=csv)") from error
+        raise ImportError(
+            f"logger={extra} needs its package: pip install 'lit-parl[{extra}]' (or use logger=csv)"
+        ) from error
 
 
 def _with_key(key: str, factory):
@@ -87,13 +91,25 @@ def build(cfg: DictConfig) -> tuple[GRPOModule, RolloutDataModule, lightning.Tra
     # Shared objects are passed to a partial, not as instantiate() kwargs: Hydra would turn a dataclass
     # (the shape, the sampling parameters) back into a config node.
     module = _with_key("module", instantiate(cfg.module, _partial_=True))(
-        policy=policy, objective=objective, shape=shape, tokenizer=tokenizer,
-        optimizer=instantiate(cfg.optimizer), lr_schedule=instantiate(cfg.lr_schedule),
+        policy=policy,
+        objective=objective,
+        shape=shape,
+        tokenizer=tokenizer,
+        optimizer=instantiate(cfg.optimizer),
+        lr_schedule=instantiate(cfg.lr_schedule),
     )
-    rewards = [instantiate(node, name=node.get("name") or name) for name, node in cfg.reward.items() if node is not None]
+    rewards = [
+        instantiate(node, name=node.get("name") or name) for name, node in cfg.reward.items() if node is not None
+    ]
     datamodule = _with_key("datamodule", instantiate(cfg.datamodule, _partial_=True))(
-        data=instantiate(cfg.data), rewards=rewards, pool=instantiate(cfg.pool), tokenizer=tokenizer, shape=shape,
-        objective=objective, initial_model=policy, sampling=sampling,
+        data=instantiate(cfg.data),
+        rewards=rewards,
+        pool=instantiate(cfg.pool),
+        tokenizer=tokenizer,
+        shape=shape,
+        objective=objective,
+        initial_model=policy,
+        sampling=sampling,
     )
     callbacks = [
         instantiate(callback)
@@ -108,7 +124,9 @@ def build(cfg: DictConfig) -> tuple[GRPOModule, RolloutDataModule, lightning.Tra
         enable_checkpointing=any(isinstance(c, ModelCheckpoint) for c in callbacks),
     )
     # fail before any process starts, for the dtype the forward will compute in
-    resolve_backend(module.attention_backend, trainer.strategy.root_device, module.compute_dtype(str(trainer.precision)))
+    resolve_backend(
+        module.attention_backend, trainer.strategy.root_device, module.compute_dtype(str(trainer.precision))
+    )
     return module, datamodule, trainer
 
 
@@ -128,7 +146,11 @@ def checkpoint_to_resume(resume: str | None) -> str | None:
         found = sorted(str(p.relative_to(path)) for p in path.rglob("*.ckpt"))[:5]
         raise FileNotFoundError(
             f"resume={resume}: the directory holds no checkpoints/last.ckpt or last.ckpt"
-            + (f"; name one of its checkpoints, quoted: \"resume='{path / found[-1]}'\"" if found else " (nor any .ckpt file)")
+            + (
+                f"; name one of its checkpoints, quoted: \"resume='{path / found[-1]}'\""
+                if found
+                else " (nor any .ckpt file)"
+            )
         )
     raise FileNotFoundError(f"resume={resume}: no such checkpoint file or run directory")
 
@@ -153,8 +175,11 @@ def run(cfg: DictConfig) -> dict:
 
 # Refusals of a bad setting, file or data row: lit_parl raises these with a message that names the fix
 _REFUSALS = (ValueError, FileNotFoundError, ImportError, OmegaConfBaseException)
-_OWN_CODE = tuple(Path(path).resolve() for package in ("lit_parl", "lit_parl.callbacks", "lit_parl.kernels")
-                  for path in importlib.import_module(package).__path__)
+_OWN_CODE = tuple(
+    Path(path).resolve()
+    for package in ("lit_parl", "lit_parl.callbacks", "lit_parl.kernels")
+    for path in importlib.import_module(package).__path__
+)
 
 
 def refusal_message(error: BaseException) -> str | None:

@@ -57,18 +57,26 @@ from transformers import AutoModelForCausalLM, Qwen2Config
 from transformers.utils import logging as transformers_logging
 
 from lit_parl.data.initial_model_dir import InitialModelDir
+from lit_parl.data.micro_batch import Trajectory, collate
 from lit_parl.kernels.forward import completion_logprobs
+from lit_parl.models.char_tokenizer import build_char_tokenizer
 from lit_parl.rollout import HFRolloutPool, PoolSpec
 from lit_parl.rollout.hf_pool import HFEngine
-from lit_parl.models.char_tokenizer import build_char_tokenizer
-from lit_parl.data.micro_batch import Trajectory, collate
 
 VOCAB = 151_936  # Qwen2's
 SIZES = {
-    "10m": dict(hidden_size=64, intermediate_size=256, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=2),
-    "50m": dict(hidden_size=256, intermediate_size=1024, num_hidden_layers=10, num_attention_heads=4, num_key_value_heads=2),
-    "150m": dict(hidden_size=640, intermediate_size=1728, num_hidden_layers=12, num_attention_heads=10, num_key_value_heads=2),
-    "500m": dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2),
+    "10m": dict(
+        hidden_size=64, intermediate_size=256, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=2
+    ),
+    "50m": dict(
+        hidden_size=256, intermediate_size=1024, num_hidden_layers=10, num_attention_heads=4, num_key_value_heads=2
+    ),
+    "150m": dict(
+        hidden_size=640, intermediate_size=1728, num_hidden_layers=12, num_attention_heads=10, num_key_value_heads=2
+    ),
+    "500m": dict(
+        hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2
+    ),
 }
 PARTS = ("sync", "memory", "packing")
 THREADS = 2  # the machine's cores
@@ -78,7 +86,9 @@ PAD = 0
 # -- models and micro-batches ---------------------------------------------------------------------------
 def build_model(size: str, max_positions: int = 4096) -> torch.nn.Module:
     """A random float32 Qwen2 of ``size``, the same weights in every process (seed 0)."""
-    config = Qwen2Config(vocab_size=VOCAB, tie_word_embeddings=True, max_position_embeddings=max_positions, **SIZES[size])
+    config = Qwen2Config(
+        vocab_size=VOCAB, tie_word_embeddings=True, max_position_embeddings=max_positions, **SIZES[size]
+    )
     torch.manual_seed(0)
     return AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="sdpa")
 
@@ -263,10 +273,17 @@ def sync_rows(size: str, reps: int, thread_counts: list[int]) -> list[dict]:
                             versions.append(version)
                             copies.append(seconds(functools.partial(copy_all, named, targets)))
                         loads = pool.load_times()
-                        rows.append(dict(
-                            method=method, threads=threads, bytes=nbytes, first=first, syncs=syncs, copies=copies,
-                            loads=[loads[v] for v in versions],
-                        ))
+                        rows.append(
+                            dict(
+                                method=method,
+                                threads=threads,
+                                bytes=nbytes,
+                                first=first,
+                                syncs=syncs,
+                                copies=copies,
+                                loads=[loads[v] for v in versions],
+                            )
+                        )
                 finally:
                     pool.close()
                     torch.set_num_threads(THREADS)
@@ -286,7 +303,18 @@ def run_sync(sizes: list[str], reps: int) -> None:
     )
     main = Table(
         f"median of {reps} syncs and {reps} memcpys, interleaved",
-        ["size", "load", "threads", "MB", "sync s", "memcpy s", "sync GB/s", "memcpy GB/s", "ratio vs 1 memcpy", "ratio vs 2 memcpy"],
+        [
+            "size",
+            "load",
+            "threads",
+            "MB",
+            "sync s",
+            "memcpy s",
+            "sync GB/s",
+            "memcpy GB/s",
+            "ratio vs 1 memcpy",
+            "ratio vs 2 memcpy",
+        ],
         wide={"load": 9},
     )
     diagnosis = []
@@ -295,22 +323,55 @@ def run_sync(sizes: list[str], reps: int) -> None:
             sync_s, copy_s = statistics.median(r["syncs"]), statistics.median(r["copies"])
             ratio = copy_s / sync_s  # bandwidths: bytes / sync_s over bytes / copy_s
             copying = r["method"] == "two-copy"
-            main.row([
-                size, r["method"], str(r["threads"]), f"{r['bytes'] / 1e6:,.0f}", f"{sync_s:.4f}", f"{copy_s:.4f}",
-                f"{r['bytes'] / sync_s / 1e9:.2f}", f"{r['bytes'] / copy_s / 1e9:.2f}", f"{ratio:.2f}", f"{2 * ratio:.2f}" if copying else "-",
-            ])
+            main.row(
+                [
+                    size,
+                    r["method"],
+                    str(r["threads"]),
+                    f"{r['bytes'] / 1e6:,.0f}",
+                    f"{sync_s:.4f}",
+                    f"{copy_s:.4f}",
+                    f"{r['bytes'] / sync_s / 1e9:.2f}",
+                    f"{r['bytes'] / copy_s / 1e9:.2f}",
+                    f"{ratio:.2f}",
+                    f"{2 * ratio:.2f}" if copying else "-",
+                ]
+            )
             load_s = statistics.median(r["loads"])
-            rest_s = statistics.median(sync - copy - load for sync, copy, load in zip(r["syncs"], r["copies"], r["loads"]))
-            diagnosis.append([
-                size, r["method"], str(r["threads"]), f"{r['first']:.2f}", f"{load_s:.4f}", f"{r['bytes'] / load_s / 1e9:.1f}",
-                f"{rest_s:.4f}", f"{min(r['syncs']):.4f}", f"{min(r['copies']):.4f}", f"{min(r['copies']) / min(r['syncs']):.2f}",
-            ])
+            rest_s = statistics.median(
+                sync - copy - load for sync, copy, load in zip(r["syncs"], r["copies"], r["loads"])
+            )
+            diagnosis.append(
+                [
+                    size,
+                    r["method"],
+                    str(r["threads"]),
+                    f"{r['first']:.2f}",
+                    f"{load_s:.4f}",
+                    f"{r['bytes'] / load_s / 1e9:.1f}",
+                    f"{rest_s:.4f}",
+                    f"{min(r['syncs']):.4f}",
+                    f"{min(r['copies']):.4f}",
+                    f"{min(r['copies']) / min(r['syncs']):.2f}",
+                ]
+            )
     where = Table(
         "Where a sync's time goes. 'first sync': allocates the shared memory (not in the medians). 'worker load': the\n"
         "worker's load timed inside it (median). 'rest': median of sync - memcpy - worker load per rep (the trainer's\n"
         "copy taken as one memcpy): messages and waiting. 'min': the fastest of the reps (the least disturbed by\n"
         "other processes), and the ratio of the two minimums (sync bandwidth / memcpy bandwidth).",
-        ["size", "load", "threads", "first sync s", "worker load s", "worker GB/s", "rest s", "min sync s", "min memcpy s", "ratio of mins"],
+        [
+            "size",
+            "load",
+            "threads",
+            "first sync s",
+            "worker load s",
+            "worker GB/s",
+            "rest s",
+            "min sync s",
+            "min memcpy s",
+            "ratio of mins",
+        ],
         wide={"load": 9},
     )
     for cells in diagnosis:
@@ -374,10 +435,18 @@ def run_memory(sizes: list[str], chunk_sizes: list[int]) -> None:
             for name, chunk in cases:
                 r = results[name]
                 diff = (torch.load(os.path.join(tmp, f"{chunk}.pt")) - reference).abs().max().item()
-                table.row([
-                    size, name, f"{r['rise_mib']:,.0f}", f"{r['rise_mib'] - r['grad_mib']:,.0f}", f"{r['grad_mib']:,.0f}",
-                    f"{full['rise_mib'] / r['rise_mib']:.2f}", f"{r['seconds']:.2f}", f"{diff:.2e}",
-                ])
+                table.row(
+                    [
+                        size,
+                        name,
+                        f"{r['rise_mib']:,.0f}",
+                        f"{r['rise_mib'] - r['grad_mib']:,.0f}",
+                        f"{r['grad_mib']:,.0f}",
+                        f"{full['rise_mib'] / r['rise_mib']:.2f}",
+                        f"{r['seconds']:.2f}",
+                        f"{diff:.2e}",
+                    ]
+                )
 
 
 # -- part 3: packed against padded ----------------------------------------------------------------------
@@ -471,18 +540,36 @@ def run_packing(sizes: list[str], reps: int, max_step_s: float, dtype: str) -> N
     )
     table = Table(
         "padded / packed",
-        ["size", "token ratio", "padded s", "packed s", "speedup", "padded MiB", "packed MiB", "MiB ratio", "max |diff|"],
+        [
+            "size",
+            "token ratio",
+            "padded s",
+            "packed s",
+            "speedup",
+            "padded MiB",
+            "packed MiB",
+            "MiB ratio",
+            "max |diff|",
+        ],
         wide={"padded s": 12, "speedup": 17},
     )
     for size in sizes:
         r = in_fresh_process(packing_case, size, autocast, reps, max_step_s)
         packed, padded = r["shared_prompt"], r["padded"]
         ran = "peak_mib" in padded
-        table.row([
-            size, f"{r['token_ratio']:.2f}", step_seconds(padded), step_seconds(packed), speedup(padded, packed),
-            f"{padded['peak_mib']:,.0f}" if ran else "-", f"{packed['peak_mib']:,.0f}",
-            f"{padded['peak_mib'] / packed['peak_mib']:.2f}" if ran else "-", f"{r['max_diff']:.2e}" if "max_diff" in r else "-",
-        ])
+        table.row(
+            [
+                size,
+                f"{r['token_ratio']:.2f}",
+                step_seconds(padded),
+                step_seconds(packed),
+                speedup(padded, packed),
+                f"{padded['peak_mib']:,.0f}" if ran else "-",
+                f"{packed['peak_mib']:,.0f}",
+                f"{padded['peak_mib'] / packed['peak_mib']:.2f}" if ran else "-",
+                f"{r['max_diff']:.2e}" if "max_diff" in r else "-",
+            ]
+        )
 
 
 # -- entry point ----------------------------------------------------------------------------------------
@@ -492,15 +579,29 @@ def main() -> None:
     parser.add_argument("--parts", nargs="+", choices=PARTS, default=list(PARTS))
     parser.add_argument("--reps", type=int, default=15, help="timed syncs and memcpys per row of part 1")
     parser.add_argument("--packing-reps", type=int, default=3, help="timed steps per layout of part 3")
-    parser.add_argument("--chunk-sizes", nargs="+", type=int, default=[1024, 128], help="logprob_chunk_size values of part 2 (1024: lit_parl's default)")
-    parser.add_argument("--max-step-s", type=float, default=60.0, help="part 3: a layout whose warm-up step takes longer is not timed further")
+    parser.add_argument(
+        "--chunk-sizes",
+        nargs="+",
+        type=int,
+        default=[1024, 128],
+        help="logprob_chunk_size values of part 2 (1024: lit_parl's default)",
+    )
+    parser.add_argument(
+        "--max-step-s",
+        type=float,
+        default=60.0,
+        help="part 3: a layout whose warm-up step takes longer is not timed further",
+    )
     parser.add_argument("--packing-dtype", choices=("auto", "float32", "bfloat16"), default="auto")
     args = parser.parse_args()
     torch.set_num_threads(THREADS)
     transformers_logging.disable_progress_bar()  # save_pretrained's bar would fill the log
     started = time.perf_counter()
     print(machine_line())
-    print("parameters (vocabulary 151,936, tied embeddings): " + ", ".join(f"{s} = {parameter_count(s):,}" for s in args.sizes))
+    print(
+        "parameters (vocabulary 151,936, tied embeddings): "
+        + ", ".join(f"{s} = {parameter_count(s):,}" for s in args.sizes)
+    )
     if "sync" in args.parts:
         run_sync(args.sizes, args.reps)
     if "memory" in args.parts:

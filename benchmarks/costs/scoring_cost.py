@@ -18,12 +18,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from reward_fns import positional_text  # noqa: E402
 
-from lit_parl.data.prompt_schedule import PromptSchedule  # noqa: E402
 from lit_parl.data.group_scorer import GroupScorer  # noqa: E402
-from lit_parl.rewards import Reward  # noqa: E402
-from lit_parl.tasks import CopyTask, positional_reward  # noqa: E402
+from lit_parl.data.prompt_schedule import PromptSchedule  # noqa: E402
 from lit_parl.models.char_tokenizer import build_char_tokenizer  # noqa: E402
+from lit_parl.rewards import Reward  # noqa: E402
 from lit_parl.rollout.records import GroupCompletions  # noqa: E402
+from lit_parl.tasks import CopyTask, positional_reward  # noqa: E402
 
 
 def main() -> None:
@@ -36,10 +36,19 @@ def main() -> None:
     rng = random.Random(0)
     groups = []
     for prompt_id in range(args.groups):
-        completions = [[rng.randrange(3, 13) for _ in range(rng.randint(1, 6))] + [tokenizer.eos_token_id] for _ in range(8)]
-        groups.append(GroupCompletions(prompt_id, 0, list(range(8)), completions, [[0.0] * len(c) for c in completions], ["stop"] * 8))
-    scorers = {"token ids": GroupScorer([positional_reward], tokenizer), "text": GroupScorer([positional_text], tokenizer),
-               "both": GroupScorer([positional_reward, Reward(positional_text, weight=0.0)], tokenizer)}
+        completions = [
+            [rng.randrange(3, 13) for _ in range(rng.randint(1, 6))] + [tokenizer.eos_token_id] for _ in range(8)
+        ]
+        groups.append(
+            GroupCompletions(
+                prompt_id, 0, list(range(8)), completions, [[0.0] * len(c) for c in completions], ["stop"] * 8
+            )
+        )
+    scorers = {
+        "token ids": GroupScorer([positional_reward], tokenizer),
+        "text": GroupScorer([positional_text], tokenizer),
+        "both": GroupScorer([positional_reward, Reward(positional_text, weight=0.0)], tokenizer),
+    }
     per_completion = {name: [] for name in scorers}
     for _ in range(args.repeats):
         for name, scorer in scorers.items():
@@ -48,9 +57,13 @@ def main() -> None:
                 scorer.score(drawn[group.prompt_id], group)
             per_completion[name].append((time.perf_counter() - start) / (8 * args.groups) * 1e6)
     for name, times in per_completion.items():
-        print(f"{name:10s} {statistics.median(times):6.2f} us per completion (median of {args.repeats}: {', '.join(f'{t:.2f}' for t in times)})")
+        print(
+            f"{name:10s} {statistics.median(times):6.2f} us per completion (median of {args.repeats}: {', '.join(f'{t:.2f}' for t in times)})"
+        )
     extra = statistics.median(per_completion["both"]) - statistics.median(per_completion["token ids"])
-    print(f"a text reward beside the token one adds {extra:.2f} us per completion: {extra * 256 / 1e3:.2f} ms per default-job iteration of 256 completions")
+    print(
+        f"a text reward beside the token one adds {extra:.2f} us per completion: {extra * 256 / 1e3:.2f} ms per default-job iteration of 256 completions"
+    )
 
 
 if __name__ == "__main__":

@@ -31,9 +31,23 @@ from lit_parl.data.micro_batch import Trajectory, collate
 
 MODELS = {
     # the embedded default's size
-    "tiny": dict(hidden_size=128, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4, vocab_size=53),
+    "tiny": dict(
+        hidden_size=128,
+        intermediate_size=512,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        vocab_size=53,
+    ),
     # ~50M parameters (tied embeddings), grouped-query attention
-    "50m": dict(hidden_size=512, intermediate_size=1536, num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=4, vocab_size=32000),
+    "50m": dict(
+        hidden_size=512,
+        intermediate_size=1536,
+        num_hidden_layers=8,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        vocab_size=32000,
+    ),
 }
 VOCAB_150K = 151_936
 
@@ -43,14 +57,29 @@ def build(kind: str) -> GRPOModule:
     torch.manual_seed(0)
     policy = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="sdpa")
     # β > 0 and two mini-batches: old and reference both run, the full tri-model
-    return GRPOModule(policy, GRPOObjective(beta=0.04), IterationShape(prompts=2, group_size=8, micro_batch_size=8, mini_batches=2), attention_backend="sdpa")
+    return GRPOModule(
+        policy,
+        GRPOObjective(beta=0.04),
+        IterationShape(prompts=2, group_size=8, micro_batch_size=8, mini_batches=2),
+        attention_backend="sdpa",
+    )
 
 
 def group(P: int, R: int, G: int, vocab: int, seed: int) -> list[Trajectory]:
     generator = torch.Generator().manual_seed(seed)
     prompt = torch.randint(3, vocab, (P,), generator=generator).tolist()
     return [
-        Trajectory(0, s, 0, prompt, torch.randint(3, vocab, (R,), generator=generator).tolist(), [-1.0] * R, float(s % 2), float(s % 2) - 0.5, False)
+        Trajectory(
+            0,
+            s,
+            0,
+            prompt,
+            torch.randint(3, vocab, (R,), generator=generator).tolist(),
+            [-1.0] * R,
+            float(s % 2),
+            float(s % 2) - 0.5,
+            False,
+        )
         for s in range(G)
     ]
 
@@ -111,7 +140,9 @@ def main() -> None:
         (model, P, R, G)
         for model in args.models.split(",")
         for P, R, G in itertools.product(
-            map(int, args.prompt_lengths.split(",")), map(int, args.completion_lengths.split(",")), map(int, args.group_sizes.split(","))
+            map(int, args.prompt_lengths.split(",")),
+            map(int, args.completion_lengths.split(",")),
+            map(int, args.group_sizes.split(",")),
         )
     ]
     for extra in filter(None, args.extra.split(",")):

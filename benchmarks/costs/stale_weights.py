@@ -20,11 +20,9 @@ from lightning.pytorch import Callback
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests"))
 
 from helpers.components import fit, make_components
-
 from helpers.pools import KeepsFirstWeights  # noqa: E402 - the tests' tiny job and stale pool
-
-from lit_parl.trainer.guards import logprob_mismatch, worst_group_mismatch  # noqa: E402
 from lit_parl.rollout import HFRolloutPool  # noqa: E402
+from lit_parl.trainer.guards import logprob_mismatch, worst_group_mismatch  # noqa: E402
 
 
 class Mismatch(Callback):

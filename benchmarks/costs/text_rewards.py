@@ -37,8 +37,15 @@ VARIANTS = {
 
 def run(variant: str, seed: int, iterations: int) -> dict:
     run_dir = REPO / "runs" / f"text_rewards_{variant}_seed{seed}"
-    command = [str(Path(sys.executable).parent / "lit-parl"), f"seed={seed}", f"iterations={iterations}", f"run_dir={run_dir}",
-               "trainer.max_time=null", "checkpoint_every=0", *VARIANTS[variant].split()]
+    command = [
+        str(Path(sys.executable).parent / "lit-parl"),
+        f"seed={seed}",
+        f"iterations={iterations}",
+        f"run_dir={run_dir}",
+        "trainer.max_time=null",
+        "checkpoint_every=0",
+        *VARIANTS[variant].split(),
+    ]
     out = subprocess.run(command, cwd=REPO, capture_output=True, text=True, check=True).stdout
     line = next(line for line in out.splitlines() if line.startswith("lit_parl summary:"))
     return json.loads(line.split(":", 1)[1].replace("'", '"'))
@@ -55,8 +62,11 @@ def main() -> None:
         for variant in args.variants:
             summary = run(variant, seed, args.iterations)
             results[variant].append(summary)
-            print(f"{variant} seed={seed} completions/s={summary['completions_per_s']:.0f} wall={summary['wall_s']:.1f}s "
-                  f"reward_last={summary[next(k for k in summary if k.startswith('reward_last'))]:.4f}", flush=True)
+            print(
+                f"{variant} seed={seed} completions/s={summary['completions_per_s']:.0f} wall={summary['wall_s']:.1f}s "
+                f"reward_last={summary[next(k for k in summary if k.startswith('reward_last'))]:.4f}",
+                flush=True,
+            )
     base = args.variants[0]
     for variant in args.variants:
         for seed, a, b in zip(args.seeds, results[base], results[variant]):
@@ -64,7 +74,9 @@ def main() -> None:
             if a[key] != b[key]:
                 # scoring on threads hands groups over in the order their scores finish: micro-batches are cut in
                 # another order, and the sums' rounding (amplified over the run) differs; the work stays equal
-                print(f"  note: {variant} seed={seed} ended at reward {b[key]:.4f} against {a[key]:.4f} ({base}): another arrival order")
+                print(
+                    f"  note: {variant} seed={seed} ended at reward {b[key]:.4f} against {a[key]:.4f} ({base}): another arrival order"
+                )
     print(f"\nratios of completions/s to '{base}' (per seed, then median), {args.iterations} iterations:")
     for variant in args.variants:
         ratios = [b["completions_per_s"] / a["completions_per_s"] for a, b in zip(results[base], results[variant])]

@@ -48,8 +48,12 @@ from lit_parl.callbacks import load_timeline
 ROOT = Path(__file__).resolve().parents[2]
 
 COMMON = [
-    "data=copy", "checkpoint_every=0", "trainer.max_time=null", "+trainer.enable_progress_bar=false",
-    "model.hidden_size=128", "model.intermediate_size=512",
+    "data=copy",
+    "checkpoint_every=0",
+    "trainer.max_time=null",
+    "+trainer.enable_progress_bar=false",
+    "model.hidden_size=128",
+    "model.intermediate_size=512",
     "shape.group_size=8",
 ]
 # Each workload: overrides on top of COMMON. Tuned on this 2-core machine so that, in async mode, the
@@ -57,15 +61,25 @@ COMMON = [
 WORKLOADS = {
     "balanced": ["sampling.max_new_tokens=12", "shape.micro_batch_size=64", "pool.prompts_per_request=8"],
     "generation-heavy": ["sampling.max_new_tokens=48", "shape.micro_batch_size=64", "pool.prompts_per_request=8"],
-    "training-heavy": ["sampling.max_new_tokens=8", "shape.micro_batch_size=64", "pool.prompts_per_request=8",
-                       "shape.passes=2", "algorithm.objective.beta=0.04"],
+    "training-heavy": [
+        "sampling.max_new_tokens=8",
+        "shape.micro_batch_size=64",
+        "pool.prompts_per_request=8",
+        "shape.passes=2",
+        "algorithm.objective.beta=0.04",
+    ],
 }
 
 
 MODES = {
     "sync": ["datamodule.mode=sync", "datamodule.prefetch=false"],
     "async": ["datamodule.mode=async", "datamodule.prefetch=false"],  # the CPU default: collated between the steps
-    "sync-1t": ["datamodule.mode=sync", "datamodule.prefetch=false", "datamodule.trainer_threads=1", "+pool.colocated_threads=1"],
+    "sync-1t": [
+        "datamodule.mode=sync",
+        "datamodule.prefetch=false",
+        "datamodule.trainer_threads=1",
+        "+pool.colocated_threads=1",
+    ],
     # async with a prefetch thread receiving and collating micro-batches while the trainer trains
     "async-prefetch": ["datamodule.mode=async", "datamodule.prefetch=true"],
 }
@@ -86,8 +100,16 @@ def _step_gaps(iteration: dict) -> float:
 
 def run_once(workload: str, mode: str, prompts: int, iterations: int, seed: int, extra: list[str]) -> dict:
     with tempfile.TemporaryDirectory(prefix=f"lit_parl_bench_{workload}_{mode}_") as run_dir:
-        overrides = [*COMMON, f"shape.prompts={prompts}", *WORKLOADS[workload], *MODES[mode],
-                     f"iterations={iterations}", f"seed={seed}", f"run_dir={run_dir}", *extra]
+        overrides = [
+            *COMMON,
+            f"shape.prompts={prompts}",
+            *WORKLOADS[workload],
+            *MODES[mode],
+            f"iterations={iterations}",
+            f"seed={seed}",
+            f"run_dir={run_dir}",
+            *extra,
+        ]
         started = time.monotonic()
         done = subprocess.run([sys.executable, "-m", "lit_parl", *overrides], cwd=ROOT, capture_output=True, text=True)
         if done.returncode != 0:
@@ -121,26 +143,34 @@ def main() -> None:
     parser.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=list(WORKLOADS))
     parser.add_argument("--modes", nargs="+", default=DEFAULT_MODES, choices=list(MODES), help="async is always run")
     parser.add_argument("--reps", type=int, default=3, help="runs per mode and workload (interleaved)")
-    parser.add_argument("--prompts", type=int, default=64, help="prompts per iteration (x G=8 completions; micro-batches of 64)")
+    parser.add_argument(
+        "--prompts", type=int, default=64, help="prompts per iteration (x G=8 completions; micro-batches of 64)"
+    )
     parser.add_argument("--iterations", type=int, default=20)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", type=Path, default=None, help="write every run's figures here")
     parser.add_argument("extra", nargs="*", help="more Hydra overrides for every run")
     args = parser.parse_args()
 
-    print(f"machine: {os.cpu_count()} cores; {args.prompts} prompts x 8 per iteration; {args.reps} runs per mode, "
-          f"{args.iterations} iterations each, interleaved", flush=True)
+    print(
+        f"machine: {os.cpu_count()} cores; {args.prompts} prompts x 8 per iteration; {args.reps} runs per mode, "
+        f"{args.iterations} iterations each, interleaved",
+        flush=True,
+    )
     modes = [mode for mode in MODES if mode in args.modes or mode == "async"]
     results = []
     for workload in args.workloads:
         for rep in range(args.reps):
             order = modes
-            for mode in order[rep % len(order):] + order[: rep % len(order)]:  # rotate: each mode runs first once
+            for mode in order[rep % len(order) :] + order[: rep % len(order)]:  # rotate: each mode runs first once
                 result = run_once(workload, mode, args.prompts, args.iterations, args.seed, args.extra)
                 results.append(result)
-                print(f"  {workload:16s} {mode:12s} run {rep}: {result['completions_per_s']:8.1f} completions/s "
-                      f"gen {result['gen_busy_s'] * 1e3:6.1f} ms train {result['train_busy_s'] * 1e3:6.1f} ms "
-                      f"iteration {result['iteration_s'] * 1e3:6.1f} ms", flush=True)
+                print(
+                    f"  {workload:16s} {mode:12s} run {rep}: {result['completions_per_s']:8.1f} completions/s "
+                    f"gen {result['gen_busy_s'] * 1e3:6.1f} ms train {result['train_busy_s'] * 1e3:6.1f} ms "
+                    f"iteration {result['iteration_s'] * 1e3:6.1f} ms",
+                    flush=True,
+                )
 
     print()
     header = f"{'workload':16s} {'mode':12s} {'completions/s':>13s} {'tokens/s':>9s} {'gen ms':>7s} {'train ms':>8s} {'iter ms':>8s} {'overlap eff. (median, p10)':>27s}"
@@ -164,13 +194,19 @@ def main() -> None:
                 "overlap_p10": statistics.quantiles(efficiency, n=10)[0] if len(efficiency) > 1 else efficiency[0],
             }
             m = per_mode[mode]
-            overlap = f"{m['overlap_median']:.2f}, {m['overlap_p10']:.2f}" if mode.startswith("async") else "(takes turns)"
-            print(f"{workload:16s} {mode:12s} {m['completions_per_s']:13.1f} {m['tokens_per_s']:9.1f} {m['gen_ms']:7.1f} {m['train_ms']:8.1f} "
-                  f"{m['iteration_ms']:8.1f} {overlap:>27s}")
+            overlap = (
+                f"{m['overlap_median']:.2f}, {m['overlap_p10']:.2f}" if mode.startswith("async") else "(takes turns)"
+            )
+            print(
+                f"{workload:16s} {mode:12s} {m['completions_per_s']:13.1f} {m['tokens_per_s']:9.1f} {m['gen_ms']:7.1f} {m['train_ms']:8.1f} "
+                f"{m['iteration_ms']:8.1f} {overlap:>27s}"
+            )
         for mode in [mode for mode in per_mode if mode.startswith("async")]:
             m = per_mode[mode]
-            print(f"{workload:16s} {mode:12s} overlap lost to: the wait for the first micro-batch {m['first_step_wait_ms']:.1f} ms, "
-                  f"gaps between training steps {m['step_gaps_ms']:.1f} ms per iteration")
+            print(
+                f"{workload:16s} {mode:12s} overlap lost to: the wait for the first micro-batch {m['first_step_wait_ms']:.1f} ms, "
+                f"gaps between training steps {m['step_gaps_ms']:.1f} ms per iteration"
+            )
         ratios = {}
         for baseline in [mode for mode in per_mode if mode != "async"]:
             ratio = per_mode["async"]["completions_per_s"] / per_mode[baseline]["completions_per_s"]

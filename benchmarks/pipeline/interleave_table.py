@@ -34,8 +34,12 @@ def main(path: str) -> None:
         a, b = first[seed], second[seed]
         same = (a["reward_first"], a["reward_last10"]) == (b["reward_first"], b["reward_last10"])
         ratios.append(b["completions_per_s"] / a["completions_per_s"])
-        rewards = f"{a['reward_first']:.6f} / {a['reward_last10']:.6f} " + ("(identical)" if same else f"vs {b['reward_first']:.6f} / {b['reward_last10']:.6f}")
-        print(f"| {seed} | {rewards} | {a['completions_per_s']:.0f} | {b['completions_per_s']:.0f} | {ratios[-1]:.3f} |")
+        rewards = f"{a['reward_first']:.6f} / {a['reward_last10']:.6f} " + (
+            "(identical)" if same else f"vs {b['reward_first']:.6f} / {b['reward_last10']:.6f}"
+        )
+        print(
+            f"| {seed} | {rewards} | {a['completions_per_s']:.0f} | {b['completions_per_s']:.0f} | {ratios[-1]:.3f} |"
+        )
     for key in ("wall_s", "gen_busy_s", "train_busy_s", "cpu_s"):
         if all(key in s for side in (first, second) for s in side.values()):
             medians = [statistics.median(s[key] for s in side.values()) for side in (first, second)]

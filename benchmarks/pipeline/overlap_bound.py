@@ -59,19 +59,47 @@ def per_iteration(timeline: list[dict]) -> list[dict]:
         following = timeline[i + 1] if i + 1 < len(timeline) else None
         next_begin = None
         if following is not None:
-            next_begin = following["sync"][0][0] if following["sync"] else (following["generate"][0][0] if following["generate"] else None)
-        rows.append({
-            "iteration": it["iteration"], "wall_ms": 1e3 * (last_train_end - begin), "bound_ms": 1e3 * bound,
-            "sync_ms": 1e3 * sync, "fill_ms": 1e3 * fill, "train_busy_ms": 1e3 * train_busy, "gen_busy_ms": 1e3 * gen_busy,
-            "last_step_ms": 1e3 * last_step, "lag_ms": 1e3 * lag, "gaps_ms": 1e3 * gaps, "between_ms": None if next_begin is None else 1e3 * (next_begin - last_train_end),
-        })
+            next_begin = (
+                following["sync"][0][0]
+                if following["sync"]
+                else (following["generate"][0][0] if following["generate"] else None)
+            )
+        rows.append(
+            {
+                "iteration": it["iteration"],
+                "wall_ms": 1e3 * (last_train_end - begin),
+                "bound_ms": 1e3 * bound,
+                "sync_ms": 1e3 * sync,
+                "fill_ms": 1e3 * fill,
+                "train_busy_ms": 1e3 * train_busy,
+                "gen_busy_ms": 1e3 * gen_busy,
+                "last_step_ms": 1e3 * last_step,
+                "lag_ms": 1e3 * lag,
+                "gaps_ms": 1e3 * gaps,
+                "between_ms": None if next_begin is None else 1e3 * (next_begin - last_train_end),
+            }
+        )
     return rows
 
 
 def summary(rows: list[dict], warmup: int) -> dict:
     kept = [r for r in rows if r["iteration"] >= warmup] or rows
     median = lambda key: statistics.median(r[key] for r in kept if r[key] is not None)  # noqa: E731
-    out = {key: median(key) for key in ("wall_ms", "bound_ms", "between_ms", "sync_ms", "fill_ms", "train_busy_ms", "gen_busy_ms", "last_step_ms", "lag_ms", "gaps_ms")}
+    out = {
+        key: median(key)
+        for key in (
+            "wall_ms",
+            "bound_ms",
+            "between_ms",
+            "sync_ms",
+            "fill_ms",
+            "train_busy_ms",
+            "gen_busy_ms",
+            "last_step_ms",
+            "lag_ms",
+            "gaps_ms",
+        )
+    }
     out["wall_over_bound"] = statistics.median(r["wall_ms"] / r["bound_ms"] for r in kept)
     out["iterations"] = len(kept)
     return out
@@ -79,17 +107,29 @@ def summary(rows: list[dict], warmup: int) -> dict:
 
 def run(prompts: int, iterations: int, seed: int, extra: list[str]) -> list[dict]:
     with tempfile.TemporaryDirectory(prefix="overlap_bound_") as run_dir:
-        command = [str(Path(sys.executable).parent / "lit-parl"), f"seed={seed}", f"iterations={iterations}", f"shape.prompts={prompts}",
-                   f"run_dir={run_dir}", "checkpoint_every=0", "trainer.max_time=null", "~callbacks.samples", *extra]
+        command = [
+            str(Path(sys.executable).parent / "lit-parl"),
+            f"seed={seed}",
+            f"iterations={iterations}",
+            f"shape.prompts={prompts}",
+            f"run_dir={run_dir}",
+            "checkpoint_every=0",
+            "trainer.max_time=null",
+            "~callbacks.samples",
+            *extra,
+        ]
         subprocess.run(command, cwd=ROOT, check=True, capture_output=True, text=True)
         return per_iteration(load_timeline(Path(run_dir) / "timeline.jsonl"))
 
 
 def show(label: str, s: dict) -> None:
-    print(f"{label}: wall {s['wall_ms']:.1f} ms, bound {s['bound_ms']:.1f} ms, wall/bound {s['wall_over_bound']:.3f}, "
-          f"between {s['between_ms']:.1f} ms | sync {s['sync_ms']:.1f}, fill {s['fill_ms']:.1f}, train {s['train_busy_ms']:.1f}, "
-          f"generate {s['gen_busy_ms']:.1f}, last step {s['last_step_ms']:.1f} | trainer lag {s['lag_ms']:.1f}, gaps {s['gaps_ms']:.1f} "
-          f"(medians of {s['iterations']} iterations)", flush=True)
+    print(
+        f"{label}: wall {s['wall_ms']:.1f} ms, bound {s['bound_ms']:.1f} ms, wall/bound {s['wall_over_bound']:.3f}, "
+        f"between {s['between_ms']:.1f} ms | sync {s['sync_ms']:.1f}, fill {s['fill_ms']:.1f}, train {s['train_busy_ms']:.1f}, "
+        f"generate {s['gen_busy_ms']:.1f}, last step {s['last_step_ms']:.1f} | trainer lag {s['lag_ms']:.1f}, gaps {s['gaps_ms']:.1f} "
+        f"(medians of {s['iterations']} iterations)",
+        flush=True,
+    )
 
 
 def main() -> None:
@@ -106,7 +146,10 @@ def main() -> None:
         return
     for prompts in args.prompts:
         for seed in args.seeds:
-            show(f"{prompts} prompts x 8, seed {seed}", summary(run(prompts, args.iterations, seed, args.overrides), args.warmup))
+            show(
+                f"{prompts} prompts x 8, seed {seed}",
+                summary(run(prompts, args.iterations, seed, args.overrides), args.warmup),
+            )
 
 
 if __name__ == "__main__":

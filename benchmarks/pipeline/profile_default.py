@@ -41,7 +41,9 @@ def load_baseline(rev: str):
     """(pack, collate, sample_groups) of commit ``rev``, loaded from git into private modules."""
 
     def module(path: str, name: str, patch=None):
-        source = subprocess.run(["git", "-C", str(ROOT), "show", f"{rev}:{path}"], check=True, capture_output=True, text=True).stdout
+        source = subprocess.run(
+            ["git", "-C", str(ROOT), "show", f"{rev}:{path}"], check=True, capture_output=True, text=True
+        ).stdout
         spec = importlib.util.spec_from_loader(name, loader=None)
         mod = importlib.util.module_from_spec(spec)
         sys.modules[name] = mod  # dataclasses look their module up
@@ -66,9 +68,16 @@ def micro_batch(rng: random.Random, prompt_len: tuple[int, int], groups: int = 8
             completion = [rng.randrange(1, 50) for _ in range(rng.randint(1, 6))]
             out.append(
                 Trajectory(
-                    prompt_id=g, sample_index=s, version=0, prompt_tokens=prompt, completion_tokens=completion,
-                    rollout_logprobs=[-rng.expovariate(1.0) for _ in completion], reward=rng.random(),
-                    advantage=rng.gauss(0, 1), truncated=False, shaped_reward=None,
+                    prompt_id=g,
+                    sample_index=s,
+                    version=0,
+                    prompt_tokens=prompt,
+                    completion_tokens=completion,
+                    rollout_logprobs=[-rng.expovariate(1.0) for _ in completion],
+                    reward=rng.random(),
+                    advantage=rng.gauss(0, 1),
+                    truncated=False,
+                    shaped_reward=None,
                 )
             )
     return out
@@ -99,8 +108,8 @@ def best_of(fns: dict, reps: int) -> dict:
 
 
 def side_by_side(rev: str, reps: int) -> None:
-    from lit_parl.kernels.packing import pack
     from lit_parl.data.micro_batch import collate
+    from lit_parl.kernels.packing import pack
 
     old_pack, old_collate, old_sample = load_baseline(rev)
     torch.set_num_threads(1)  # the trainer's and the worker's thread count in the default job
@@ -109,28 +118,35 @@ def side_by_side(rev: str, reps: int) -> None:
     for case, prompt_len in (("default", (6, 10)), ("long_prompt", (190, 210))):
         rng = random.Random(case)
         batches = [micro_batch(rng, prompt_len) for _ in range(10)]
-        groups = [[(b[g * 8].prompt_tokens, [t.completion_tokens for t in b[g * 8 : g * 8 + 8]]) for g in range(8)] for b in batches]
+        groups = [
+            [(b[g * 8].prompt_tokens, [t.completion_tokens for t in b[g * 8 : g * 8 + 8]]) for g in range(8)]
+            for b in batches
+        ]
         for layout in ("shared_prompt", "padded"):
             shared = layout == "shared_prompt"
             for batch, gs in zip(batches, groups):  # bit-identical before timing
                 assert tensors_equal(pack(gs, 0, shared), old_pack(gs, 0, shared)), "pack differs from the baseline"
                 new_mb, old_mb = collate(batch, 0, 0, layout), old_collate(batch, 0, 0, 256, layout)
-                assert tensors_equal(new_mb.tokens, old_mb.tokens) and torch.equal(new_mb.rollout_logprobs, old_mb.rollout_logprobs)
+                assert tensors_equal(new_mb.tokens, old_mb.tokens) and torch.equal(
+                    new_mb.rollout_logprobs, old_mb.rollout_logprobs
+                )
             for what, new_fn, old_fn, calls in (
                 ("pack", pack, old_pack, [(gs, 0, shared) for gs in groups]),
                 ("collate", collate, old_collate, [(b, 0, 0, 256, layout) for b in batches]),
             ):
                 t = best_of({"old": (old_fn, calls), "new": (new_fn, calls)}, reps)
-                print(f"{case:12s} {layout:14s} {what:14s} {t['old'] * 1e3:8.3f} {t['new'] * 1e3:8.3f} {t['old'] / t['new']:7.1f}x")
+                print(
+                    f"{case:12s} {layout:14s} {what:14s} {t['old'] * 1e3:8.3f} {t['new'] * 1e3:8.3f} {t['old'] / t['new']:7.1f}x"
+                )
     sampling_side_by_side(old_sample, reps)
 
 
 def sampling_side_by_side(old_sample, reps: int) -> None:
     """The worker's ``sample_groups`` on the default model and chunk (8 prompts x 8 samples, 6 new tokens)."""
     from lit_parl.models import tiny_qwen2
+    from lit_parl.rollout.records import GroupRequest, SamplingParams, sample_seed
     from lit_parl.rollout.sampling import sample_groups
     from lit_parl.tasks import CopyTask
-    from lit_parl.rollout.records import GroupRequest, SamplingParams, sample_seed
 
     model, tok = tiny_qwen2(hidden_size=128, intermediate_size=512)  # conf/model/tiny_qwen2.yaml
     model.eval()
@@ -143,8 +159,11 @@ def sampling_side_by_side(old_sample, reps: int) -> None:
             prompt, answer = task.make(pid)
             requests.append(
                 GroupRequest(
-                    pid, tuple(tok(prompt, add_special_tokens=False).input_ids), tuple(tok(answer, add_special_tokens=False).input_ids),
-                    0, tuple(sample_seed(0, 0, pid, s) for s in range(8)),
+                    pid,
+                    tuple(tok(prompt, add_special_tokens=False).input_ids),
+                    tuple(tok(answer, add_special_tokens=False).input_ids),
+                    0,
+                    tuple(sample_seed(0, 0, pid, s) for s in range(8)),
                 )
             )
         return requests
@@ -152,17 +171,38 @@ def sampling_side_by_side(old_sample, reps: int) -> None:
     chunks = [chunk(k) for k in range(8)]
 
     def run(fn, requests):
-        return [(g.request.prompt_id, g.completions, g.logprobs, g.finish_reasons) for g in fn(model, requests, sampling, tok.eos_token_id, tok.pad_token_id)]
+        return [
+            (g.request.prompt_id, g.completions, g.logprobs, g.finish_reasons)
+            for g in fn(model, requests, sampling, tok.eos_token_id, tok.pad_token_id)
+        ]
 
     for requests in chunks:
         assert run(sample_groups, requests) == run(old_sample, requests), "sample_groups differs from the baseline"
     calls = [(fn_requests,) for fn_requests in chunks]
     t = best_of({"old": (lambda r: run(old_sample, r), calls), "new": (lambda r: run(sample_groups, r), calls)}, reps)
-    print(f"{'default':12s} {'8x8, 6 tokens':14s} {'sample_groups':14s} {t['old'] * 1e3:8.3f} {t['new'] * 1e3:8.3f} {t['old'] / t['new']:7.2f}x")
+    print(
+        f"{'default':12s} {'8x8, 6 tokens':14s} {'sample_groups':14s} {t['old'] * 1e3:8.3f} {t['new'] * 1e3:8.3f} {t['old'] / t['new']:7.2f}x"
+    )
 
 
-TORCH_INTERNALS = ("/torch/", "{built-in method torch", "{method '", "<frozen", "/threading.py", "/queue.py", "/multiprocessing/")
-WRAPPERS = ("/hydra/", "/selectors.py", "'poll' of", "builtins.next", "/lightning/", "/transformers/utils/", "/transformers/modeling_layers.py")
+TORCH_INTERNALS = (
+    "/torch/",
+    "{built-in method torch",
+    "{method '",
+    "<frozen",
+    "/threading.py",
+    "/queue.py",
+    "/multiprocessing/",
+)
+WRAPPERS = (
+    "/hydra/",
+    "/selectors.py",
+    "'poll' of",
+    "builtins.next",
+    "/lightning/",
+    "/transformers/utils/",
+    "/transformers/modeling_layers.py",
+)
 OURS = ("lit_parl/", "kernels/", "callbacks/")
 
 
@@ -171,7 +211,14 @@ def profile_trainer(iterations: int, top: int, extra: list[str]) -> None:
     from lit_parl import cli
 
     with tempfile.TemporaryDirectory() as run_dir:
-        sys.argv = ["lit-parl", f"iterations={iterations}", "trainer.max_time=null", f"run_dir={run_dir}", "checkpoint_every=0", *extra]
+        sys.argv = [
+            "lit-parl",
+            f"iterations={iterations}",
+            "trainer.max_time=null",
+            f"run_dir={run_dir}",
+            "checkpoint_every=0",
+            *extra,
+        ]
         profiler = cProfile.Profile()
         profiler.enable()
         try:
@@ -187,8 +234,14 @@ def profile_trainer(iterations: int, top: int, extra: list[str]) -> None:
             rows.append((cumulative * 1e3 / iterations, calls / iterations, full))
     rows.sort(reverse=True)
     sections = (
-        (f"top {top} cumulative outside torch internals and the hydra/Lightning/transformers wrappers", lambda full: not any(w in full for w in WRAPPERS)),
-        ("lit_parl's own functions (lit_parl/, kernels/, callbacks/)", lambda full: any(o in full for o in OURS) and site not in full),
+        (
+            f"top {top} cumulative outside torch internals and the hydra/Lightning/transformers wrappers",
+            lambda full: not any(w in full for w in WRAPPERS),
+        ),
+        (
+            "lit_parl's own functions (lit_parl/, kernels/, callbacks/)",
+            lambda full: any(o in full for o in OURS) and site not in full,
+        ),
     )
     for title, keep in sections:
         print(f"\ntrainer process, cProfile, {iterations} iterations: {title} (ms per iteration, startup included)")
@@ -202,7 +255,9 @@ def main() -> None:
     parser.add_argument("--baseline", default=BASELINE, help="git revision of the old code (default: %(default)s)")
     parser.add_argument("--reps", type=int, default=20, help="interleaved timing rounds (the best is kept)")
     parser.add_argument("--skip-timings", action="store_true", help="only the profile")
-    parser.add_argument("--profile-iterations", type=int, default=0, help="cProfile the trainer over a default run of N iterations")
+    parser.add_argument(
+        "--profile-iterations", type=int, default=0, help="cProfile the trainer over a default run of N iterations"
+    )
     parser.add_argument("--top", type=int, default=40)
     parser.add_argument("overrides", nargs="*", help="extra Hydra overrides for the profiled run")
     args = parser.parse_args()

@@ -50,7 +50,19 @@ from lit_parl import cli
 from lit_parl.rollout.processes import descendants
 
 ROOT = Path(__file__).resolve().parents[2]
-FIELDS = ("iteration", "process", "pid", "rss_mib", "rss_anon_mib", "rss_shmem_mib", "fds", "threads", "py_threads", "gc_objects", "children")
+FIELDS = (
+    "iteration",
+    "process",
+    "pid",
+    "rss_mib",
+    "rss_anon_mib",
+    "rss_shmem_mib",
+    "fds",
+    "threads",
+    "py_threads",
+    "gc_objects",
+    "children",
+)
 RSS_MIB_PER_100 = 1.0  # flag threshold for the RSS measures; the counts are flagged on any rise
 
 
@@ -145,7 +157,10 @@ class ResourceProbe(Callback):
             if pid is None:  # between a worker's death and its restart
                 continue
             if self._pids.get(label, pid) != pid:
-                print(f"soak: {label} changed pid {self._pids[label]} -> {pid} before iteration {iteration}", file=sys.stderr)
+                print(
+                    f"soak: {label} changed pid {self._pids[label]} -> {pid} before iteration {iteration}",
+                    file=sys.stderr,
+                )
             self._pids[label] = pid
             try:
                 rows.append(sample(pid) | {"process": label})
@@ -161,8 +176,10 @@ class ResourceProbe(Callback):
         if self._file is not None:
             self._file.close()
         retained = retained_records(trainer, trainer.current_epoch + 1)
-        lines = [f"{name}: {length} entries, {size / 1024:.1f} KiB, {size / max(trainer.current_epoch + 1, 1):.0f} B per iteration"
-                 for name, length, size in retained]
+        lines = [
+            f"{name}: {length} entries, {size / 1024:.1f} KiB, {size / max(trainer.current_epoch + 1, 1):.0f} B per iteration"
+            for name, length, size in retained
+        ]
         self.csv_path.with_name("retained.txt").write_text("".join(f"{line}\n" for line in lines))
         print("soak: per-iteration records the run holds at its end:\n  " + "\n  ".join(lines or ["none"]))
         if self._baseline is not None:
@@ -221,9 +238,15 @@ def run(iterations: int, every: int, out: Path, run_dir: Path, trace: bool, over
 
     with initialize_config_module(config_module="lit_parl.conf", version_base="1.3"):
         # no wall-time cap: the default's 4 min 30 s would end a soak on a loaded machine early
-        cfg = compose("config", overrides=[f"iterations={iterations}", "trainer.max_time=null", f"run_dir={run_dir}", *overrides])
+        cfg = compose(
+            "config", overrides=[f"iterations={iterations}", "trainer.max_time=null", f"run_dir={run_dir}", *overrides]
+        )
     with open_dict(cfg):
-        cfg.callbacks.soak = {"_target_": f"{ResourceProbe.__module__}.ResourceProbe", "csv_path": str(out / "soak.csv"), "every": every}
+        cfg.callbacks.soak = {
+            "_target_": f"{ResourceProbe.__module__}.ResourceProbe",
+            "csv_path": str(out / "soak.csv"),
+            "every": every,
+        }
     if trace:
         tracemalloc.start(8)
     return cli.run(cfg)
@@ -246,7 +269,9 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="soak-run-") as run_dir:
         start = time.monotonic()
         summary = run(args.iterations, args.every, out, Path(run_dir), args.tracemalloc, args.overrides)
-        print(f"soak: {summary.get('iterations')} iterations in {time.monotonic() - start:.0f} s; rows in {out / 'soak.csv'}")
+        print(
+            f"soak: {summary.get('iterations')} iterations in {time.monotonic() - start:.0f} s; rows in {out / 'soak.csv'}"
+        )
     report = table(out / "soak.csv", warm_up=args.every)
     (out / "table.txt").write_text(report + "\n")
     print(report)

@@ -38,11 +38,11 @@ def main() -> None:
     import datasets
     from trl import GRPOConfig, GRPOTrainer
 
+    from lit_parl.data.micro_batch import Trajectory, collate
     from lit_parl.kernels.forward import completion_logprobs
     from lit_parl.models import tiny_qwen2
-    from lit_parl.trainer.grpo_objective import GRPOObjective
     from lit_parl.tasks import CopyTask, positional_reward
-    from lit_parl.data.micro_batch import Trajectory, collate
+    from lit_parl.trainer.grpo_objective import GRPOObjective
 
     torch.manual_seed(args.seed)
     model, tokenizer = tiny_qwen2(hidden_size=128, intermediate_size=512, seed=args.seed)
@@ -78,14 +78,31 @@ def main() -> None:
     # TRL: its loss on its layout, micro-batch by micro-batch (grad accumulation divides each by the steps)
     trl_model = copy.deepcopy(model).train()
     config = GRPOConfig(
-        output_dir=tempfile.mkdtemp(prefix="trl_eq_"), per_device_train_batch_size=args.micro_batch,
-        gradient_accumulation_steps=len(samples) // args.micro_batch, num_generations=G, max_steps=1,
-        num_iterations=1, max_completion_length=args.max_new_tokens, beta=0.0, epsilon=0.2, loss_type="grpo",
-        scale_rewards="group", use_cpu=True, report_to="none", use_vllm=False, bf16=False, fp16=False,
+        output_dir=tempfile.mkdtemp(prefix="trl_eq_"),
+        per_device_train_batch_size=args.micro_batch,
+        gradient_accumulation_steps=len(samples) // args.micro_batch,
+        num_generations=G,
+        max_steps=1,
+        num_iterations=1,
+        max_completion_length=args.max_new_tokens,
+        beta=0.0,
+        epsilon=0.2,
+        loss_type="grpo",
+        scale_rewards="group",
+        use_cpu=True,
+        report_to="none",
+        use_vllm=False,
+        bf16=False,
+        fp16=False,
     )
     dataset = datasets.Dataset.from_dict({"prompt": ["0="] * len(samples)})
-    trainer = GRPOTrainer(model=trl_model, reward_funcs=lambda completions, **kw: [0.0] * len(completions),
-                          args=config, train_dataset=dataset, processing_class=tokenizer)
+    trainer = GRPOTrainer(
+        model=trl_model,
+        reward_funcs=lambda completions, **kw: [0.0] * len(completions),
+        args=config,
+        train_dataset=dataset,
+        processing_class=tokenizer,
+    )
     trainer.current_gradient_accumulation_steps = config.gradient_accumulation_steps
     for start in range(0, len(samples), args.micro_batch):
         chunk = samples[start : start + args.micro_batch]
@@ -95,8 +112,13 @@ def main() -> None:
         prompt_mask = torch.tensor([[0] * (P - len(s[1])) + [1] * len(s[1]) for s in chunk])
         completion_ids = torch.tensor([s[2] + [pad] * (T - len(s[2])) for s in chunk])
         completion_mask = torch.tensor([[1] * len(s[2]) + [0] * (T - len(s[2])) for s in chunk])
-        inputs = {"prompt_ids": prompt_ids, "prompt_mask": prompt_mask, "completion_ids": completion_ids,
-                  "completion_mask": completion_mask, "advantages": trl_adv[start : start + args.micro_batch]}
+        inputs = {
+            "prompt_ids": prompt_ids,
+            "prompt_mask": prompt_mask,
+            "completion_ids": completion_ids,
+            "completion_mask": completion_mask,
+            "advantages": trl_adv[start : start + args.micro_batch],
+        }
         trainer._compute_loss(trl_model, inputs).backward()
     trl_grads = {n: p.grad.clone() for n, p in trl_model.named_parameters() if p.grad is not None}
 
@@ -104,15 +126,26 @@ def main() -> None:
     lit_model = copy.deepcopy(model).train()
     objective = GRPOObjective()
     trajectories = [
-        Trajectory(prompt_id=pid, sample_index=i % G, version=0, prompt_tokens=list(p), completion_tokens=list(c),
-                   rollout_logprobs=[0.0] * len(c), reward=r, advantage=float(trl_adv[i]), truncated=eos not in c)
+        Trajectory(
+            prompt_id=pid,
+            sample_index=i % G,
+            version=0,
+            prompt_tokens=list(p),
+            completion_tokens=list(c),
+            rollout_logprobs=[0.0] * len(c),
+            reward=r,
+            advantage=float(trl_adv[i]),
+            truncated=eos not in c,
+        )
         for i, (pid, p, c, r) in enumerate(samples)
     ]
     loss_sum, normaliser = 0.0, 0.0
     for start in range(0, len(trajectories), args.micro_batch):
         batch = collate(trajectories[start : start + args.micro_batch], pad, start, "shared_prompt", group_size=G)
         logp = completion_logprobs(lit_model, batch.tokens, temperature=1.0)
-        terms = objective(logp, logp.detach(), None, batch.advantages, batch.completion_mask, batch.rollout_logprobs, None)
+        terms = objective(
+            logp, logp.detach(), None, batch.advantages, batch.completion_mask, batch.rollout_logprobs, None
+        )
         loss_sum = loss_sum + terms.loss_sum
         normaliser += float(terms.normaliser)
     (loss_sum / normaliser).backward()

@@ -36,10 +36,18 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--prompts-per-step", type=int, default=32)
     p.add_argument("--group-size", type=int, default=8)
-    p.add_argument("--batch-size", type=int, default=256,
-                   help="per_device_train_batch_size: completions per forward/backward (256: the whole step in one batch)")
-    p.add_argument("--grad-accum", type=int, default=1,
-                   help="gradient_accumulation_steps; batch-size x grad-accum must be prompts-per-step x group-size")
+    p.add_argument(
+        "--batch-size",
+        type=int,
+        default=256,
+        help="per_device_train_batch_size: completions per forward/backward (256: the whole step in one batch)",
+    )
+    p.add_argument(
+        "--grad-accum",
+        type=int,
+        default=1,
+        help="gradient_accumulation_steps; batch-size x grad-accum must be prompts-per-step x group-size",
+    )
     p.add_argument("--max-new-tokens", type=int, default=6)
     p.add_argument("--lr", type=float, default=5e-4)
     p.add_argument("--beta", type=float, default=0.0)
@@ -80,7 +88,9 @@ def main(argv=None) -> dict:
     dataset = datasets.Dataset.from_dict({"prompt": [p for p, _ in made], "answer": [a for _, a in made]})
     # TRL tokenizes plain-text prompts with processing_class(text=...): check it gives lit_parl's ids
     probe = made[0][0]
-    assert tokenizer(text=[probe])["input_ids"][0] == tokenizer(probe, add_special_tokens=False).input_ids, "special tokens added"
+    assert tokenizer(text=[probe])["input_ids"][0] == tokenizer(probe, add_special_tokens=False).input_ids, (
+        "special tokens added"
+    )
 
     record = {"rewards": [], "completions": 0, "tokens": 0, "reward_calls": 0}
     answer_cache: dict[str, list[int]] = {}
@@ -107,8 +117,11 @@ def main(argv=None) -> dict:
         def on_step_end(self, targs, state, control, **kwargs):
             step_times.append(time.monotonic())
             if state.global_step % every == 0:  # progress in the log: step, seconds, reward of the step
-                print(f"trl_side: step {state.global_step}/{args.steps} at {step_times[-1] - start:.1f} s, "
-                      f"reward {record['rewards'][-1]:.3f}", flush=True)
+                print(
+                    f"trl_side: step {state.global_step}/{args.steps} at {step_times[-1] - start:.1f} s, "
+                    f"reward {record['rewards'][-1]:.3f}",
+                    flush=True,
+                )
 
     samples_per_step = args.prompts_per_step * args.group_size
     if args.batch_size * args.grad_accum != samples_per_step:
@@ -167,8 +180,10 @@ def main(argv=None) -> dict:
         log_completions=False,
     )
     if config.generation_batch_size != samples_per_step or config.steps_per_generation != args.grad_accum:
-        raise RuntimeError(f"TRL derived generation_batch_size {config.generation_batch_size}, steps_per_generation "
-                           f"{config.steps_per_generation}; expected {samples_per_step}, {args.grad_accum}")
+        raise RuntimeError(
+            f"TRL derived generation_batch_size {config.generation_batch_size}, steps_per_generation "
+            f"{config.steps_per_generation}; expected {samples_per_step}, {args.grad_accum}"
+        )
     trainer = GRPOTrainer(
         model=model,
         reward_funcs=copy_reward,
@@ -183,7 +198,9 @@ def main(argv=None) -> dict:
     wall = time.monotonic() - start
     rewards = record["rewards"]
     if len(rewards) != args.steps or record["completions"] != args.steps * samples_per_step:
-        raise RuntimeError(f"expected {args.steps} generation batches of {samples_per_step}, got {len(rewards)} / {record['completions']}")
+        raise RuntimeError(
+            f"expected {args.steps} generation batches of {samples_per_step}, got {len(rewards)} / {record['completions']}"
+        )
     result = {
         "side": "trl",
         "trl_config": f"{args.batch_size}x{args.grad_accum}",
@@ -197,21 +214,49 @@ def main(argv=None) -> dict:
         "rewards": rewards,
         "step_end_s": [round(t - start, 4) for t in step_times],
         "threads": torch.get_num_threads(),
-        "versions": {"trl": trl.__version__, "transformers": transformers.__version__, "torch": torch.__version__, "datasets": datasets.__version__},
+        "versions": {
+            "trl": trl.__version__,
+            "transformers": transformers.__version__,
+            "torch": torch.__version__,
+            "datasets": datasets.__version__,
+        },
         "config": {
             k: getattr(config, k)
             for k in (
-                "per_device_train_batch_size", "gradient_accumulation_steps", "generation_batch_size", "steps_per_generation",
-                "num_generations", "num_iterations", "max_completion_length", "temperature", "top_p", "top_k", "beta",
-                "epsilon", "epsilon_high", "loss_type", "scale_rewards", "learning_rate", "optim", "lr_scheduler_type",
-                "max_grad_norm", "weight_decay", "bf16", "gradient_checkpointing", "use_vllm", "shuffle_dataset",
+                "per_device_train_batch_size",
+                "gradient_accumulation_steps",
+                "generation_batch_size",
+                "steps_per_generation",
+                "num_generations",
+                "num_iterations",
+                "max_completion_length",
+                "temperature",
+                "top_p",
+                "top_k",
+                "beta",
+                "epsilon",
+                "epsilon_high",
+                "loss_type",
+                "scale_rewards",
+                "learning_rate",
+                "optim",
+                "lr_scheduler_type",
+                "max_grad_norm",
+                "weight_decay",
+                "bf16",
+                "gradient_checkpointing",
+                "use_vllm",
+                "shuffle_dataset",
             )
         },
     }
     result["config"]["optim"] = str(result["config"]["optim"])
     result["config"]["lr_scheduler_type"] = str(result["config"]["lr_scheduler_type"])
     Path(args.out).write_text(json.dumps(result, indent=2))
-    print(f"trl_side summary: {json.dumps({k: v for k, v in result.items() if k not in ('rewards', 'step_end_s', 'config')})}", flush=True)
+    print(
+        f"trl_side summary: {json.dumps({k: v for k, v in result.items() if k not in ('rewards', 'step_end_s', 'config')})}",
+        flush=True,
+    )
     return result
 
 

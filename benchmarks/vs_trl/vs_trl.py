@@ -143,30 +143,66 @@ def parse_trl_config(text: str) -> tuple[int, int]:
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--steps", type=int, default=None, help="optimizer steps per side for every workload (sets --steps-a and --steps-b)")
-    p.add_argument("--steps-a", type=int, default=150, help="workload a: optimizer steps per side (lit_parl iterations), 256 completions each")
+    p.add_argument(
+        "--steps",
+        type=int,
+        default=None,
+        help="optimizer steps per side for every workload (sets --steps-a and --steps-b)",
+    )
+    p.add_argument(
+        "--steps-a",
+        type=int,
+        default=150,
+        help="workload a: optimizer steps per side (lit_parl iterations), 256 completions each",
+    )
     p.add_argument("--steps-b", type=int, default=30, help="workload b: optimizer steps per side")
-    p.add_argument("--steps-for", default=None,
-                   help="per model and workload step counts, both sides, over --steps-a/-b ('' for none); default, "
-                   "unless --steps or --quick: h256x4:a=60,h256x4:b=10 (h256x4 costs about 5x h128 per step)")
-    p.add_argument("--quick", action="store_true", help="smoke run: 3 steps per model and workload, one rep, one seed (unless --seeds)")
+    p.add_argument(
+        "--steps-for",
+        default=None,
+        help="per model and workload step counts, both sides, over --steps-a/-b ('' for none); default, "
+        "unless --steps or --quick: h256x4:a=60,h256x4:b=10 (h256x4 costs about 5x h128 per step)",
+    )
+    p.add_argument(
+        "--quick",
+        action="store_true",
+        help="smoke run: 3 steps per model and workload, one rep, one seed (unless --seeds)",
+    )
     p.add_argument("--workloads", default="a,b", help="comma-separated: a (copy task), b (copy task + preamble)")
     p.add_argument("--models", default=",".join(MODELS), help=f"comma-separated, from {', '.join(MODELS)}")
-    p.add_argument("--trl-configs", default="256x1,64x4",
-                   help="TRL layouts, BATCHxACCUM (per_device_train_batch_size x gradient_accumulation_steps); product 256")
+    p.add_argument(
+        "--trl-configs",
+        default="256x1,64x4",
+        help="TRL layouts, BATCHxACCUM (per_device_train_batch_size x gradient_accumulation_steps); product 256",
+    )
     p.add_argument("--reps", type=int, default=1, help="repetitions per seed; the side order rotates between runs")
-    p.add_argument("--seeds", default=None, help="comma-separated seeds (weights at step 0, task, sampling); default 0,1,2 "
-                   "(0 with --quick)")
+    p.add_argument(
+        "--seeds",
+        default=None,
+        help="comma-separated seeds (weights at step 0, task, sampling); default 0,1,2 (0 with --quick)",
+    )
     p.add_argument("--preamble-chars", type=int, default=200, help="workload b: preamble length in tokens (characters)")
     p.add_argument("--trl-python", default=str(ROOT / ".venv-trl" / "bin" / "python"))
     p.add_argument("--lit-parl", default=str(ROOT / ".venv" / "bin" / "lit-parl"))
     p.add_argument("--lit-overrides", default="", help="extra Hydra overrides for lit_parl, space-separated")
-    p.add_argument("--lit-sync", action="store_true",
-                   help="also run lit_parl with datamodule.mode=sync (colocated: generate, then train, on 2 threads)")
-    p.add_argument("--omp-wait-policy", default="PASSIVE", choices=("PASSIVE", "ACTIVE", "inherit"),
-                   help="OMP_WAIT_POLICY of both sides' processes (inherit: leave the environment's)")
-    p.add_argument("--trl-threads", default="2", help="torch threads of the TRL process; a comma list (2,1) runs every layout once per value")
-    p.add_argument("--work-dir", default=None, help="models, run directories and logs (default: a new temporary directory)")
+    p.add_argument(
+        "--lit-sync",
+        action="store_true",
+        help="also run lit_parl with datamodule.mode=sync (colocated: generate, then train, on 2 threads)",
+    )
+    p.add_argument(
+        "--omp-wait-policy",
+        default="PASSIVE",
+        choices=("PASSIVE", "ACTIVE", "inherit"),
+        help="OMP_WAIT_POLICY of both sides' processes (inherit: leave the environment's)",
+    )
+    p.add_argument(
+        "--trl-threads",
+        default="2",
+        help="torch threads of the TRL process; a comma list (2,1) runs every layout once per value",
+    )
+    p.add_argument(
+        "--work-dir", default=None, help="models, run directories and logs (default: a new temporary directory)"
+    )
     p.add_argument("--out", default=None, help="write the results as JSON here")
     args = p.parse_args(argv)
     if args.steps_for is None:
@@ -275,7 +311,9 @@ def lit_parl_side(args, workload: str, steps: int, seed: int, mode: str, model_d
                 rewards.append((int(row["epoch"]), float(row["reward"])))
     rewards = [r for _, r in sorted(rewards)]
     if len(rewards) != steps or summary["completions"] != steps * SAMPLES_PER_STEP:
-        raise RuntimeError(f"lit_parl ran {len(rewards)} iterations / {summary['completions']} completions, expected {steps}")
+        raise RuntimeError(
+            f"lit_parl ran {len(rewards)} iterations / {summary['completions']} completions, expected {steps}"
+        )
     return {
         "side": "lit_parl" if mode == "async" else f"lit_parl_{mode}",
         "steps": len(rewards),
@@ -293,7 +331,9 @@ def lit_parl_side(args, workload: str, steps: int, seed: int, mode: str, model_d
     }
 
 
-def trl_side(args, workload: str, steps: int, seed: int, trl_config: str, threads: int, model_dir: Path, out: Path) -> dict:
+def trl_side(
+    args, workload: str, steps: int, seed: int, trl_config: str, threads: int, model_dir: Path, out: Path
+) -> dict:
     batch, accum = parse_trl_config(trl_config)
     cmd = [
         args.trl_python,
@@ -380,33 +420,61 @@ def annotate(entry: dict, lits: list[str], trls: list[str]) -> None:
     """Per run: the faster TRL side and every lit_parl side's ratio against it."""
     fastest = max(trls, key=lambda s: entry[s]["completions_per_s"])
     entry["faster_trl"] = fastest
-    entry["ratio_vs_faster_trl"] = {a: entry[a]["completions_per_s"] / entry[fastest]["completions_per_s"] for a in lits}
+    entry["ratio_vs_faster_trl"] = {
+        a: entry[a]["completions_per_s"] / entry[fastest]["completions_per_s"] for a in lits
+    }
 
 
 def per_run_table(results: list[dict], lits: list[str], trls: list[str], threads_shown: bool) -> str:
-    head = ["model", "workload", "steps", "seed", "rep", "order", *(f"{label(x, threads_shown)} completions/s" for x in lits + trls),
-            "faster TRL", *(f"{label(a)} / faster TRL" for a in lits), *(f"{label(x, threads_shown)} reward, last 10%" for x in lits + trls)]
+    head = [
+        "model",
+        "workload",
+        "steps",
+        "seed",
+        "rep",
+        "order",
+        *(f"{label(x, threads_shown)} completions/s" for x in lits + trls),
+        "faster TRL",
+        *(f"{label(a)} / faster TRL" for a in lits),
+        *(f"{label(x, threads_shown)} reward, last 10%" for x in lits + trls),
+    ]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in results:
         fastest = short(r["faster_trl"], threads_shown)
-        cells = [r["model"], r["workload"], str(r["steps"]), str(r["seed"]), str(r["rep"]),
-                 " → ".join(label(s, threads_shown) for s in r["order"]),
-                 *(f"{r[x]['completions_per_s']:.1f}" for x in lits + trls), fastest,
-                 *(f"**{r['ratio_vs_faster_trl'][a]:.2f}x** vs {fastest}" for a in lits),
-                 *(f"{r[x]['reward_last']:.3f}" for x in lits + trls)]
+        cells = [
+            r["model"],
+            r["workload"],
+            str(r["steps"]),
+            str(r["seed"]),
+            str(r["rep"]),
+            " → ".join(label(s, threads_shown) for s in r["order"]),
+            *(f"{r[x]['completions_per_s']:.1f}" for x in lits + trls),
+            fastest,
+            *(f"**{r['ratio_vs_faster_trl'][a]:.2f}x** vs {fastest}" for a in lits),
+            *(f"{r[x]['reward_last']:.3f}" for x in lits + trls),
+        ]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
-def summarize(results: list[dict], lits: list[str], trls: list[str], threads_shown: bool) -> tuple[list[dict], str, str]:
+def summarize(
+    results: list[dict], lits: list[str], trls: list[str], threads_shown: bool
+) -> tuple[list[dict], str, str]:
     """Per (model, workload): speeds as median [min-max], ratios, the faster layout's count, rewards as mean ± se."""
     groups: dict[tuple[str, str], list[dict]] = {}
     for r in results:
         groups.setdefault((r["model"], r["workload"]), []).append(r)
     summary = []
-    speed_head = ["model", "workload", "steps", "runs", *(f"{label(x, threads_shown)} completions/s" for x in lits + trls),
-                  "faster TRL (runs)", *(f"{label(a)} / faster TRL" for a in lits),
-                  *(f"{label(a)} / {label(b, threads_shown)}" for a in lits for b in trls)]
+    speed_head = [
+        "model",
+        "workload",
+        "steps",
+        "runs",
+        *(f"{label(x, threads_shown)} completions/s" for x in lits + trls),
+        "faster TRL (runs)",
+        *(f"{label(a)} / faster TRL" for a in lits),
+        *(f"{label(a)} / {label(b, threads_shown)}" for a in lits for b in trls),
+    ]
     speed = ["| " + " | ".join(speed_head) + " |", "|" + "---|" * len(speed_head)]
     reward_head = ["model", "workload", "steps", "runs", "side", "reward, first step", "reward, last 10% of steps"]
     reward = ["| " + " | ".join(reward_head) + " |", "|" + "---|" * len(reward_head)]
@@ -414,28 +482,63 @@ def summarize(results: list[dict], lits: list[str], trls: list[str], threads_sho
         n, steps = len(rows), rows[0]["steps"]
         wins = {t: sum(r["faster_trl"] == t for r in rows) for t in trls}
         faster = ", ".join(f"{short(t, threads_shown)} ({wins[t]}/{n})" for t in trls if wins[t])
-        item = {"model": model, "workload": workload, "steps": steps, "runs": n, "seeds": [r["seed"] for r in rows],
-                "faster_trl_runs": {t: wins[t] for t in trls}, "sides": {}, "ratio_vs_faster_trl": {}, "ratio_vs": {}}
+        item = {
+            "model": model,
+            "workload": workload,
+            "steps": steps,
+            "runs": n,
+            "seeds": [r["seed"] for r in rows],
+            "faster_trl_runs": {t: wins[t] for t in trls},
+            "sides": {},
+            "ratio_vs_faster_trl": {},
+            "ratio_vs": {},
+        }
         for x in lits + trls:
             cps = [r[x]["completions_per_s"] for r in rows]
             first, last = [r[x]["reward_first"] for r in rows], [r[x]["reward_last"] for r in rows]
-            item["sides"][x] = {"completions_per_s": {"median": median(cps), "min": min(cps), "max": max(cps), "runs": cps},
-                                "reward_first": dict(zip(("mean", "se"), mean_se(first)), runs=first),
-                                "reward_last": dict(zip(("mean", "se"), mean_se(last)), runs=last)}
-            reward.append("| " + " | ".join([model, workload, str(steps), str(n), label(x, threads_shown), pm(first), pm(last)]) + " |")
+            item["sides"][x] = {
+                "completions_per_s": {"median": median(cps), "min": min(cps), "max": max(cps), "runs": cps},
+                "reward_first": dict(zip(("mean", "se"), mean_se(first)), runs=first),
+                "reward_last": dict(zip(("mean", "se"), mean_se(last)), runs=last),
+            }
+            reward.append(
+                "| "
+                + " | ".join([model, workload, str(steps), str(n), label(x, threads_shown), pm(first), pm(last)])
+                + " |"
+            )
         ratio_cells, vs_cells = [], []
         for a in lits:
             ratios = [r["ratio_vs_faster_trl"][a] for r in rows]
-            item["ratio_vs_faster_trl"][a] = {"median": median(ratios), "min": min(ratios), "max": max(ratios), "runs": ratios,
-                                              "against": [r["faster_trl"] for r in rows]}
-            ratio_cells.append(f"**{spread(ratios, '{:.2f}', 'x')}** vs " + "/".join(short(t, threads_shown) for t in trls if wins[t]))
+            item["ratio_vs_faster_trl"][a] = {
+                "median": median(ratios),
+                "min": min(ratios),
+                "max": max(ratios),
+                "runs": ratios,
+                "against": [r["faster_trl"] for r in rows],
+            }
+            ratio_cells.append(
+                f"**{spread(ratios, '{:.2f}', 'x')}** vs " + "/".join(short(t, threads_shown) for t in trls if wins[t])
+            )
             for b in trls:
                 rb = [r[a]["completions_per_s"] / r[b]["completions_per_s"] for r in rows]
                 item["ratio_vs"][f"{a}/{b}"] = {"median": median(rb), "min": min(rb), "max": max(rb), "runs": rb}
                 vs_cells.append(spread(rb, "{:.2f}", "x"))
-        speed.append("| " + " | ".join([model, workload, str(steps), str(n),
-                                         *(spread([r[x]["completions_per_s"] for r in rows], "{:.0f}") for x in lits + trls),
-                                         faster, *ratio_cells, *vs_cells]) + " |")
+        speed.append(
+            "| "
+            + " | ".join(
+                [
+                    model,
+                    workload,
+                    str(steps),
+                    str(n),
+                    *(spread([r[x]["completions_per_s"] for r in rows], "{:.0f}") for x in lits + trls),
+                    faster,
+                    *ratio_cells,
+                    *vs_cells,
+                ]
+            )
+            + " |"
+        )
         summary.append(item)
     return summary, "\n".join(speed), "\n".join(reward)
 
@@ -453,8 +556,11 @@ def main(argv=None) -> dict:
     threads_shown = len(args.trl_threads) > 1
     sides = lits + trls
     steps_used = {f"{m}:{w}": args.steps_of[(m, w)] for m in args.models for w in args.workloads}
-    print(f"vs_trl: work dir {work}; models {args.models}, workloads {args.workloads}, seeds {args.seeds}, reps {args.reps}; "
-          f"steps {steps_used} x {SAMPLES_PER_STEP} completions per side; sides {sides}", flush=True)
+    print(
+        f"vs_trl: work dir {work}; models {args.models}, workloads {args.workloads}, seeds {args.seeds}, reps {args.reps}; "
+        f"steps {steps_used} x {SAMPLES_PER_STEP} completions per side; sides {sides}",
+        flush=True,
+    )
     results = []
     for run_index, (seed, rep) in enumerate((seed, rep) for seed in args.seeds for rep in range(args.reps)):
         shift = run_index % len(sides)
@@ -465,37 +571,73 @@ def main(argv=None) -> dict:
                 save_model(model_dir, model, seed)
             for workload in args.workloads:
                 steps = args.steps_of[(model, workload)]
-                entry = {"model": model, "workload": workload, "steps": steps, "rep": rep, "seed": seed, "order": list(order)}
+                entry = {
+                    "model": model,
+                    "workload": workload,
+                    "steps": steps,
+                    "rep": rep,
+                    "seed": seed,
+                    "order": list(order),
+                }
                 for side in order:
                     tag = f"{model}_{workload}_seed{seed}_rep{rep}_{side}"
-                    print(f"vs_trl: {model} workload {workload} seed {seed} rep {rep}: {side} ({steps} steps) ...", flush=True)
+                    print(
+                        f"vs_trl: {model} workload {workload} seed {seed} rep {rep}: {side} ({steps} steps) ...",
+                        flush=True,
+                    )
                     if side.startswith("lit_parl"):
                         mode = "sync" if side == "lit_parl_sync" else "async"
                         entry[side] = lit_parl_side(args, workload, steps, seed, mode, model_dir, work / tag)
                     else:
                         config, _, threads = side.removeprefix("trl_").partition("_t")
-                        entry[side] = trl_side(args, workload, steps, seed, config, int(threads), model_dir, work / f"{tag}.json")
+                        entry[side] = trl_side(
+                            args, workload, steps, seed, config, int(threads), model_dir, work / f"{tag}.json"
+                        )
                     s = entry[side]
                     s["load_avg_after"] = os.getloadavg()
-                    print(f"vs_trl:   {side}: {s['completions_per_s']:.1f} completions/s, wall {s['wall_s']:.1f} s, "
-                          f"reward {s['reward_first']:.3f} -> {s['reward_last']:.3f}, load avg {s['load_avg_after'][0]:.2f}", flush=True)
+                    print(
+                        f"vs_trl:   {side}: {s['completions_per_s']:.1f} completions/s, wall {s['wall_s']:.1f} s, "
+                        f"reward {s['reward_first']:.3f} -> {s['reward_last']:.3f}, load avg {s['load_avg_after'][0]:.2f}",
+                        flush=True,
+                    )
                 annotate(entry, lits, trls)
-                print(f"vs_trl:   faster TRL: {label(entry['faster_trl'], threads_shown)}; "
-                      + ", ".join(f"{label(a)} / it = {v:.2f}x" for a, v in entry["ratio_vs_faster_trl"].items()), flush=True)
+                print(
+                    f"vs_trl:   faster TRL: {label(entry['faster_trl'], threads_shown)}; "
+                    + ", ".join(f"{label(a)} / it = {v:.2f}x" for a, v in entry["ratio_vs_faster_trl"].items()),
+                    flush=True,
+                )
                 results.append(entry)
     summary, speed_table, reward_table = summarize(results, lits, trls, threads_shown)
     runs_table = per_run_table(results, lits, trls, threads_shown)
-    text = ("Per run (lit_parl / the faster TRL layout of the same model, workload, seed and rep):\n\n" + runs_table
-            + "\n\nSpeed per model and workload, over runs: completions/s median [min–max]; ratios median [min–max]:\n\n"
-            + speed_table + "\n\nReward per side, over runs: mean ± standard error:\n\n" + reward_table)
+    text = (
+        "Per run (lit_parl / the faster TRL layout of the same model, workload, seed and rep):\n\n"
+        + runs_table
+        + "\n\nSpeed per model and workload, over runs: completions/s median [min–max]; ratios median [min–max]:\n\n"
+        + speed_table
+        + "\n\nReward per side, over runs: mean ± standard error:\n\n"
+        + reward_table
+    )
     report = {
         "date": time.strftime("%Y-%m-%d %H:%M:%S"),
         "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "python": sys.version.split()[0]},
-        "settings": {"steps": steps_used, "reps": args.reps, "seeds": args.seeds, "models": {m: MODELS[m] for m in args.models},
-                     "prompts_per_step": PROMPTS_PER_STEP, "group_size": GROUP_SIZE, "lit_micro_batch_size": LIT_MICRO_BATCH,
-                     "trl_configs": args.trl_configs, "trl_threads": args.trl_threads, "max_new_tokens": MAX_NEW_TOKENS,
-                     "lr": LR, "beta": BETA, "preamble_chars": args.preamble_chars, "lit_overrides": args.lit_overrides,
-                     "sides": sides, "omp_wait_policy": args.omp_wait_policy},
+        "settings": {
+            "steps": steps_used,
+            "reps": args.reps,
+            "seeds": args.seeds,
+            "models": {m: MODELS[m] for m in args.models},
+            "prompts_per_step": PROMPTS_PER_STEP,
+            "group_size": GROUP_SIZE,
+            "lit_micro_batch_size": LIT_MICRO_BATCH,
+            "trl_configs": args.trl_configs,
+            "trl_threads": args.trl_threads,
+            "max_new_tokens": MAX_NEW_TOKENS,
+            "lr": LR,
+            "beta": BETA,
+            "preamble_chars": args.preamble_chars,
+            "lit_overrides": args.lit_overrides,
+            "sides": sides,
+            "omp_wait_policy": args.omp_wait_policy,
+        },
         "workloads": {w: WORKLOADS[w] for w in args.workloads},
         "results": results,
         "summary": summary,

@@ -23,8 +23,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from lit_parl.tasks import CopyTask
 from lit_parl.models.char_tokenizer import CHARACTERS
+from lit_parl.tasks import CopyTask
 
 # Only characters of lit_parl's character tokenizer, and no "=" (it marks the end of the digits).
 INSTRUCTION = (

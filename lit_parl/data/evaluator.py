@@ -26,12 +26,11 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from lit_parl.errors import OffPolicyError
-
-from lit_parl.data.prompt_schedule import PromptSchedule
 from lit_parl.data.group_scorer import GroupScorer
-from lit_parl.rollout.rollout_pool import RolloutPool
+from lit_parl.data.prompt_schedule import PromptSchedule
+from lit_parl.errors import OffPolicyError
 from lit_parl.rollout.records import GroupRequest, SamplingParams, sample_seed
+from lit_parl.rollout.rollout_pool import RolloutPool
 
 
 @dataclass(frozen=True)
@@ -58,7 +57,9 @@ class EvalSettings:
         if self.prompts is not None and self.prompts < 1:
             raise ValueError(f"evaluation.prompts={self.prompts} must be >= 1 (or null: the whole eval set)")
         if self.samples < 0 or (self.samples == 0 and not self.greedy):
-            raise ValueError(f"evaluation needs samples >= 1 or greedy=true (got samples={self.samples}, greedy={self.greedy})")
+            raise ValueError(
+                f"evaluation needs samples >= 1 or greedy=true (got samples={self.samples}, greedy={self.greedy})"
+            )
 
     @property
     def enabled(self) -> bool:
@@ -84,20 +85,35 @@ class Evaluator:
             N x G, which the pool was checked to serve): a large eval set goes in chunks.
     """
 
-    def __init__(self, settings: EvalSettings, schedule: PromptSchedule, scorer: GroupScorer, correct_reward: float,
-                 max_samples_per_call: int = 256) -> None:
+    def __init__(
+        self,
+        settings: EvalSettings,
+        schedule: PromptSchedule,
+        scorer: GroupScorer,
+        correct_reward: float,
+        max_samples_per_call: int = 256,
+    ) -> None:
         rows = schedule.usable_rows
         if settings.prompts is None and rows is None:
             raise ValueError("evaluation.prompts is needed with a procedural task (it has no fixed eval set)")
         if settings.prompts is not None and rows is not None and settings.prompts > rows:
-            raise ValueError(f"evaluation.prompts={settings.prompts} is more than the {rows} rows of the eval set; lower it or null (all rows)")
+            raise ValueError(
+                f"evaluation.prompts={settings.prompts} is more than the {rows} rows of the eval set; lower it or null (all rows)"
+            )
         self.settings, self.schedule, self.scorer, self.correct_reward = settings, schedule, scorer, correct_reward
         self.prompts = settings.prompts if settings.prompts is not None else rows
         self.max_samples_per_call = max_samples_per_call
 
     @classmethod
-    def for_run(cls, settings: EvalSettings, held_out, make_schedule, scorer: GroupScorer, correct_reward: float,
-                max_samples_per_call: int) -> Evaluator | None:
+    def for_run(
+        cls,
+        settings: EvalSettings,
+        held_out,
+        make_schedule,
+        scorer: GroupScorer,
+        correct_reward: float,
+        max_samples_per_call: int,
+    ) -> Evaluator | None:
         """The run's evaluator (``None`` when evaluation is off): ``held_out`` prompts (a ``PromptSource``) drawn by
         ``make_schedule(held_out)``."""
         if not settings.enabled:
@@ -113,12 +129,17 @@ class Evaluator:
         """Every configured pass on the held-out prompts with the pool's weights (version ``version``)."""
         drawn = self.schedule.draw(list(range(self.prompts)), version)
         metrics: dict[str, float] = {}
-        passes = ([("greedy", 1, replace(sampling, temperature=0.0, top_p=1.0, top_k=0))] if self.settings.greedy else [])
+        passes = [("greedy", 1, replace(sampling, temperature=0.0, top_p=1.0, top_k=0))] if self.settings.greedy else []
         if self.settings.samples:
             passes.append(("sampled", self.settings.samples, sampling))
         for kind, k, params in passes:
             requests = [
-                GroupRequest(d.request.prompt_id, d.request.prompt_tokens, version, tuple(sample_seed(self.schedule.seed, version, pid, s) for s in range(k)))
+                GroupRequest(
+                    d.request.prompt_id,
+                    d.request.prompt_tokens,
+                    version,
+                    tuple(sample_seed(self.schedule.seed, version, pid, s) for s in range(k)),
+                )
                 for pid, d in drawn.items()
             ]
             correct, rewards = [], []
@@ -138,7 +159,9 @@ class Evaluator:
                 metrics[f"val/reward@{k}"] = sum(rewards) / len(rewards)
         return metrics
 
-    def after_iteration(self, trainer, iterations_done: int, version: int, pool: RolloutPool, sampling: SamplingParams) -> dict[str, float]:
+    def after_iteration(
+        self, trainer, iterations_done: int, version: int, pool: RolloutPool, sampling: SamplingParams
+    ) -> dict[str, float]:
         """The metrics of the iteration just trained when it is due, with its weights (``version``); else nothing.
         Lightning validates after each epoch, also mid-epoch when a stop (``max_time``) cut it: then nothing.
         Under W ranks rank 0 evaluates, through its own pool (it holds the same θ_k as every rank's), and every
@@ -152,7 +175,9 @@ class Evaluator:
         if not self.settings.due(iteration, last):
             return {}
         if pool.version != version:  # the weights of the iteration just trained, synced at its start
-            raise OffPolicyError(f"evaluation after iteration {iteration} expects the pool to hold version {version}, it holds {pool.version}")
+            raise OffPolicyError(
+                f"evaluation after iteration {iteration} expects the pool to hold version {version}, it holds {pool.version}"
+            )
         if trainer.world_size == 1:
             return self.run(pool, version, sampling)
         metrics = [self.run(pool, version, sampling) if trainer.global_rank == 0 else None]

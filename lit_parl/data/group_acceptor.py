@@ -24,15 +24,17 @@ from typing import Protocol
 
 import torch
 
+from lit_parl.data.micro_batch import Trajectory
 from lit_parl.errors import OffPolicyError
 from lit_parl.rollout.records import Group, GroupRequest
-from lit_parl.data.micro_batch import Trajectory
 
 
 class Advantages(Protocol):
     """What the acceptor needs from the objective (``lit_parl.GRPOObjective`` is one)."""
 
-    def shape_rewards(self, rewards: torch.Tensor, lengths: torch.Tensor, truncated: torch.Tensor, length_limit: int) -> torch.Tensor: ...
+    def shape_rewards(
+        self, rewards: torch.Tensor, lengths: torch.Tensor, truncated: torch.Tensor, length_limit: int
+    ) -> torch.Tensor: ...
 
     def advantages(self, rewards: torch.Tensor) -> torch.Tensor: ...
 
@@ -62,7 +64,9 @@ class GroupAcceptor:
             )
         request = waiting.pop(group.prompt_id, None)
         if request is None:
-            raise RuntimeError(f"the pool returned prompt_id {group.prompt_id}, which this iteration did not request or already received")
+            raise RuntimeError(
+                f"the pool returned prompt_id {group.prompt_id}, which this iteration did not request or already received"
+            )
         G = self.group_size
         if sorted(group.sample_indices) != list(range(G)) or not (
             len(group.completions) == len(group.logprobs) == len(group.rewards) == len(group.finish_reasons) == G
@@ -81,7 +85,12 @@ class GroupAcceptor:
         zero_variance = bool(torch.all(shaped == shaped[0]))
         prompt_tokens = list(request.prompt_tokens)  # from our own schedule, never from the pool
         # plain Python numbers, converted once per group (element-wise tensor reads cost microseconds each)
-        reward_list, advantage_list, shaped_list, truncated_list = rewards.tolist(), advantages.tolist(), shaped.tolist(), truncated.tolist()
+        reward_list, advantage_list, shaped_list, truncated_list = (
+            rewards.tolist(),
+            advantages.tolist(),
+            shaped.tolist(),
+            truncated.tolist(),
+        )
         return [
             Trajectory(
                 prompt_id=group.prompt_id,
@@ -96,7 +105,9 @@ class GroupAcceptor:
                 shaped_reward=shaped_list[k],
                 correct=bool(self.is_correct(reward_list[k])),
                 zero_variance=zero_variance,
-                reward_components={name: values[k] for name, values in group.reward_components.items() if values[k] is not None},
+                reward_components={
+                    name: values[k] for name, values in group.reward_components.items() if values[k] is not None
+                },
                 reward_failures=tuple(name for name, positions in group.reward_failures.items() if k in positions),
             )
             for k, sample in enumerate(group.sample_indices)

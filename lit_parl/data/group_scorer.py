@@ -39,8 +39,8 @@ from transformers import PreTrainedTokenizerBase
 
 from lit_parl.data.head_start import Beside
 from lit_parl.data.prompt_schedule import DrawnPrompt
-from lit_parl.rewards.scoring_policy import ScoringPolicy, score_group
 from lit_parl.rewards.reward import Reward, as_reward
+from lit_parl.rewards.scoring_policy import ScoringPolicy, score_group
 from lit_parl.rollout.records import Group, GroupCompletions
 
 
@@ -69,7 +69,9 @@ class GroupScorer:
             raise ValueError("GroupScorer needs at least one reward")
         names = [r.name for r in self.rewards]
         if len(set(names)) != len(names):
-            raise ValueError(f"two rewards share a name in {names}: give each its own (Reward(name=...)); each is logged as reward/<name>")
+            raise ValueError(
+                f"two rewards share a name in {names}: give each its own (Reward(name=...)); each is logged as reward/<name>"
+            )
         if workers < 0:
             raise ValueError(f"GroupScorer(workers={workers}) must be >= 0 (0: score inline, in the consumer's thread)")
         self.tokenizer = tokenizer
@@ -83,11 +85,21 @@ class GroupScorer:
         """Each sample's reward fields: only those some reward reads, each sample with copies of its own (a
         reward that edits its ``completion_ids`` or ``metadata`` changes nothing that is trained or shared)."""
         row, fields = drawn.row, self._fields
-        texts = self.tokenizer.batch_decode(completions.completions, skip_special_tokens=True) if "completion" in fields else None
+        texts = (
+            self.tokenizer.batch_decode(completions.completions, skip_special_tokens=True)
+            if "completion" in fields
+            else None
+        )
         samples = []
         for k, (ids, reason) in enumerate(zip(completions.completions, completions.finish_reasons)):
-            sample = {"completion_ids": list(ids), "stopped": reason == "stop", "prompt": drawn.text, "answer": row.answer,
-                      "eos_id": self.eos_id, "prompt_id": drawn.request.prompt_id}
+            sample = {
+                "completion_ids": list(ids),
+                "stopped": reason == "stop",
+                "prompt": drawn.text,
+                "answer": row.answer,
+                "eos_id": self.eos_id,
+                "prompt_id": drawn.request.prompt_id,
+            }
             if "completion" in fields:
                 sample["completion"] = texts[k]
             if "answer_ids" in fields:

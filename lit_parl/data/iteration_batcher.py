@@ -21,13 +21,13 @@ from collections.abc import Callable, Iterator
 import torch
 
 from lit_parl.data.group_acceptor import GroupAcceptor
-from lit_parl.data.rank_share import RankShare
-from lit_parl.data.prompt_schedule import PromptSchedule
 from lit_parl.data.group_scorer import GroupScorer
 from lit_parl.data.iteration_stats import IterationStats
-from lit_parl.rollout.rollout_pool import RolloutPool
 from lit_parl.data.micro_batch import MicroBatch, Packing, Trajectory, collate
+from lit_parl.data.prompt_schedule import PromptSchedule
+from lit_parl.data.rank_share import RankShare
 from lit_parl.rollout.records import SamplingParams
+from lit_parl.rollout.rollout_pool import RolloutPool
 
 
 @dataclasses.dataclass
@@ -81,7 +81,9 @@ class IterationBatcher:
             while block < M and len(ready[block]) >= shape.micro_batch_size:
                 chunk = ready[block][: shape.micro_batch_size]
                 del ready[block][: shape.micro_batch_size]
-                batch = collate(chunk, self.pad_id, offset, self.packing.mode, self.packing.min_gain, self.packing.max_row_tokens, G)
+                batch = collate(
+                    chunk, self.pad_id, offset, self.packing.mode, self.packing.min_gain, self.packing.max_row_tokens, G
+                )
                 offset += len(chunk)
                 batch.ends_step = offset % shape.samples_per_step == 0
                 batch.logprob_tolerance = self.logprob_tolerance
@@ -121,10 +123,14 @@ class IterationBatcher:
                 trajectories = self.acceptor.accept(group, waiting, version)
                 stats.completions += G
                 stats.completion_tokens += sum(len(t.completion_tokens) for t in trajectories)
-                stats.reward_sum += float(torch.tensor(group.rewards, dtype=torch.float32).sum())  # as summed since the first release
+                stats.reward_sum += float(
+                    torch.tensor(group.rewards, dtype=torch.float32).sum()
+                )  # as summed since the first release
                 if not waiting:  # drain the stream now, so no exchange with the pool runs after the final yield
                     for extra in groups:
-                        raise RuntimeError(f"the pool returned prompt_id {extra.prompt_id} after the round was complete")
+                        raise RuntimeError(
+                            f"the pool returned prompt_id {extra.prompt_id} after the round was complete"
+                        )
                     stats.gen_intervals.extend(self.pool.busy_intervals())  # this round's; the pool keeps only the last
                 if self.dynamic_sampling and trajectories[0].zero_variance:
                     dropped.append((slot, trajectories))

@@ -43,7 +43,9 @@ class IterationShape:
 
     def __post_init__(self) -> None:
         if self.group_size < 2:
-            raise ValueError(f"IterationShape(group_size={self.group_size}): GRPO needs at least 2 completions per prompt to compare them")
+            raise ValueError(
+                f"IterationShape(group_size={self.group_size}): GRPO needs at least 2 completions per prompt to compare them"
+            )
         if self.prompts < 1:
             raise ValueError(f"IterationShape(prompts={self.prompts}) must be >= 1")
         if self.micro_batch_size < 1 or self.samples % self.micro_batch_size:
@@ -52,7 +54,9 @@ class IterationShape:
                 f"x group_size {self.group_size} = {self.samples} samples; pick a divisor of {self.samples}"
             )
         if self.mini_batches < 1 or self.passes < 1:
-            raise ValueError(f"IterationShape(mini_batches={self.mini_batches}, passes={self.passes}): both must be >= 1")
+            raise ValueError(
+                f"IterationShape(mini_batches={self.mini_batches}, passes={self.passes}): both must be >= 1"
+            )
         if self.prompts % self.mini_batches or self.samples_per_step % self.micro_batch_size:
             raise ValueError(
                 f"IterationShape(mini_batches={self.mini_batches}) must split the iteration's {self.prompts} prompts into equal "

@@ -55,9 +55,13 @@ class MicroBatch:
     group_size: int = 0
     pass_index: int = 0  # which pass over the iteration's samples (several with IterationShape.passes > 1)
     logprob_tolerance: float | None = None  # largest mean |rollout - θ_k| log-prob per token accepted (None: unchecked)
-    reward_components: dict[str, tuple[float, int]] = field(default_factory=dict)  # metric -> (sum, samples) over this micro-batch
+    reward_components: dict[str, tuple[float, int]] = field(
+        default_factory=dict
+    )  # metric -> (sum, samples) over this micro-batch
     reward_failures: dict[str, int] = field(default_factory=dict)  # reward -> failed calls in this micro-batch
-    trajectories: list[Trajectory] = field(default_factory=list)  # the records it was built from, in row order (for logs)
+    trajectories: list[Trajectory] = field(
+        default_factory=list
+    )  # the records it was built from, in row order (for logs)
 
     @property
     def size(self) -> int:
@@ -150,7 +154,9 @@ def collate(
         rollout_logprobs=rollout_logprobs,
         advantages=torch.tensor([t.advantage for t in ordered], dtype=torch.float32),
         rewards=torch.tensor([t.reward for t in ordered], dtype=torch.float32),
-        shaped_rewards=torch.tensor([t.reward if t.shaped_reward is None else t.shaped_reward for t in ordered], dtype=torch.float32),
+        shaped_rewards=torch.tensor(
+            [t.reward if t.shaped_reward is None else t.shaped_reward for t in ordered], dtype=torch.float32
+        ),
         truncated=torch.tensor([t.truncated for t in ordered], dtype=torch.bool),
         correct=torch.tensor([t.correct for t in ordered], dtype=torch.bool),
         zero_variance=torch.tensor([t.zero_variance for t in ordered], dtype=torch.bool),

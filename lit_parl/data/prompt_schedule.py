@@ -75,7 +75,9 @@ class PromptSchedule:
         token_limit: int | None = None,
     ) -> None:
         if not isinstance(source, PromptSource):
-            raise TypeError(f"PromptSchedule(source={type(source).__name__}): a prompt source has num_rows and row(index) (lit_parl.prompts.prompt_row.PromptSource)")
+            raise TypeError(
+                f"PromptSchedule(source={type(source).__name__}): a prompt source has num_rows and row(index) (lit_parl.prompts.prompt_row.PromptSource)"
+            )
         self.source, self.tokenizer, self.group_size, self.seed = source, tokenizer, group_size, seed
         self.format = prompt_format or PromptFormat()
         self.token_limit = token_limit
@@ -144,7 +146,9 @@ class PromptSchedule:
                 stacklevel=2,
             )
         if not usable:
-            raise ValueError(f"every one of the {rows} prompts is longer than {self.token_limit} tokens: nothing to train on")
+            raise ValueError(
+                f"every one of the {rows} prompts is longer than {self.token_limit} tokens: nothing to train on"
+            )
         self._usable = usable
 
     def _fits(self, row: PromptRow, length: int) -> bool:
@@ -183,7 +187,9 @@ class PromptSchedule:
             encoded = self.tokenizer(texts + answers, add_special_tokens=False).input_ids
             for i, (prompt_id, row, text) in enumerate(zip(missing, rows, texts)):
                 tokens = tuple(encoded[i])
-                if self._usable is None:  # a procedural row is measured here (a finite source's were at start); too long raises
+                if (
+                    self._usable is None
+                ):  # a procedural row is measured here (a finite source's were at start); too long raises
                     self._fits(row, len(tokens))
                 request = GroupRequest(prompt_id=prompt_id, prompt_tokens=tokens, version=-1, seeds=())
                 self._cache[prompt_id] = DrawnPrompt(request, row, text, tuple(encoded[len(rows) + i]))
@@ -218,7 +224,11 @@ class PromptSchedule:
     def load_state_dict(self, state_dict: dict) -> None:
         saved, fingerprint = state_dict.get("usable_rows"), state_dict.get("data_fingerprint")
         if saved != self.usable_rows or (fingerprint is not None and fingerprint != self.fingerprint):
-            what = f"{saved} usable prompt rows, this run's has {self.usable_rows}" if saved != self.usable_rows else "other prompt rows"
+            what = (
+                f"{saved} usable prompt rows, this run's has {self.usable_rows}"
+                if saved != self.usable_rows
+                else "other prompt rows"
+            )
             raise ValueError(
                 f"the checkpoint's data had {what} (or another seed or prompt format): resuming would not continue the "
                 "same data order; resume with the same data, seed and prompt format"

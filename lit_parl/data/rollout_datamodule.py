@@ -9,6 +9,7 @@ in ``teardown`` or when the fit fails).
 
 In use: the README's "Components without the CLI" script (run as a script by ``tests/system/test_readme.py``).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -22,28 +23,28 @@ from lightning.pytorch.accelerators import CPUAccelerator
 from torch.utils.data import DataLoader
 from transformers import AutoConfig, PreTrainedModel, PreTrainedTokenizerBase
 
-from lit_parl.prompts.prompt_format import PromptFormat
-from lit_parl.data.group_acceptor import Advantages, GroupAcceptor
-from lit_parl.data.iteration_batcher import IterationBatcher
 from lit_parl.data.evaluator import EvalSettings, Evaluator
-from lit_parl.errors import OffPolicyError
-from lit_parl.data.version_gate import VersionGate
-from lit_parl.data.initial_model_dir import InitialModelDir
+from lit_parl.data.group_acceptor import Advantages, GroupAcceptor
+from lit_parl.data.group_scorer import GroupScorer
 from lit_parl.data.head_start import HeadStart
+from lit_parl.data.initial_model_dir import InitialModelDir
+from lit_parl.data.iteration_batcher import IterationBatcher
+from lit_parl.data.iteration_shape import IterationShape
 from lit_parl.data.iteration_start import IterationStart, Started
+from lit_parl.data.iteration_stats import IterationStats
 from lit_parl.data.iteration_streams import EvalStream, IterationStream
+from lit_parl.data.micro_batch import MicroBatch, Packing
+from lit_parl.data.prompt_schedule import PromptSchedule
 from lit_parl.data.rank_share import RankShare, SlotExchange
 from lit_parl.data.resume_point import ResumePoint
-from lit_parl.data.prompt_schedule import PromptSchedule
-from lit_parl.data.group_scorer import GroupScorer
-from lit_parl.data.iteration_shape import IterationShape
-from lit_parl.data.iteration_stats import IterationStats
+from lit_parl.data.version_gate import VersionGate
+from lit_parl.errors import OffPolicyError
 from lit_parl.models.limits import check_context, context_length
+from lit_parl.prompts.prompt_format import PromptFormat
 from lit_parl.prompts.prompt_row import PromptSource
 from lit_parl.rewards.scoring_policy import ScoringPolicy
-from lit_parl.rollout.rollout_pool import PoolSpec, RolloutPool, widened_for_trainer
-from lit_parl.data.micro_batch import MicroBatch, Packing
 from lit_parl.rollout.records import SamplingParams
+from lit_parl.rollout.rollout_pool import PoolSpec, RolloutPool, widened_for_trainer
 
 MODES = ("async", "sync")
 HISTORY_KEPT = 64  # iterations whose IterationStats stay in `history` (callbacks read the last one)
@@ -118,30 +119,52 @@ class RolloutDataModule(LightningDataModule):
         if mode not in MODES:
             raise ValueError(f"RolloutDataModule(mode={mode!r}); choose one of {MODES}")
         if not isinstance(pool, RolloutPool):
-            raise TypeError(f"RolloutDataModule(pool={type(pool).__name__}): a pool subclasses lit_parl.rollout.RolloutPool")
+            raise TypeError(
+                f"RolloutDataModule(pool={type(pool).__name__}): a pool subclasses lit_parl.rollout.RolloutPool"
+            )
         self.data, self.pool, self.tokenizer, self.shape, self.mode = data, pool, tokenizer, shape, mode
         self.objective = objective
         self.sampling = _as(SamplingParams, sampling)
         if self.sampling.greedy:
-            raise ValueError("sampling.temperature=0 (greedy) cannot train: GRPO needs a distribution to sample and differentiate; greedy is for evaluation")
+            raise ValueError(
+                "sampling.temperature=0 (greedy) cannot train: GRPO needs a distribution to sample and differentiate; greedy is for evaluation"
+            )
         self.packing = _as(Packing, packing)
         self.prompt_format = _as(PromptFormat, prompt_format)
         self.correct_reward = correct_reward
         self.max_sampling_rounds, self.prefetch, self.trainer_threads = max_sampling_rounds, prefetch, trainer_threads
-        if not (logprob_tolerance is None or logprob_tolerance == "auto" or (isinstance(logprob_tolerance, (int, float)) and logprob_tolerance > 0)):
-            raise ValueError(f"RolloutDataModule(logprob_tolerance={logprob_tolerance!r}): give a number > 0, 'auto' (the pool's) or None (no check)")
+        if not (
+            logprob_tolerance is None
+            or logprob_tolerance == "auto"
+            or (isinstance(logprob_tolerance, (int, float)) and logprob_tolerance > 0)
+        ):
+            raise ValueError(
+                f"RolloutDataModule(logprob_tolerance={logprob_tolerance!r}): give a number > 0, 'auto' (the pool's) or None (no check)"
+            )
         self.logprob_tolerance = logprob_tolerance
-        config = initial_model.config if isinstance(initial_model, PreTrainedModel) else AutoConfig.from_pretrained(initial_model)
+        config = (
+            initial_model.config
+            if isinstance(initial_model, PreTrainedModel)
+            else AutoConfig.from_pretrained(initial_model)
+        )
         check_context(config, self.sampling.max_new_tokens)  # limits known now fail now, before any engine starts
         token_limit = self.prompt_format.token_limit(context_length(config), self.sampling.max_new_tokens)
         self.schedule = PromptSchedule(data, tokenizer, shape.group_size, seed, self.prompt_format, token_limit)
         self.gate = VersionGate(gate_timeout_s)
         self.scorer = GroupScorer(rewards, tokenizer, score_workers, _as(ScoringPolicy, scoring))
         self.evaluation = _as(EvalSettings, evaluation)
-        held_out = eval_data if eval_data is not None or not self.evaluation.enabled else getattr(data, "evaluation", lambda: None)()
+        held_out = (
+            eval_data
+            if eval_data is not None or not self.evaluation.enabled
+            else getattr(data, "evaluation", lambda: None)()
+        )
         self.evaluator = Evaluator.for_run(
-            self.evaluation, held_out, lambda rows: PromptSchedule(rows, tokenizer, 1, f"{seed}/eval", self.prompt_format, token_limit),
-            self.scorer, correct_reward, shape.prompts * shape.group_size,
+            self.evaluation,
+            held_out,
+            lambda rows: PromptSchedule(rows, tokenizer, 1, f"{seed}/eval", self.prompt_format, token_limit),
+            self.scorer,
+            correct_reward,
+            shape.prompts * shape.group_size,
         )
         if self.evaluator is not None:
             self.val_dataloader = self._eval_dataloader  # Lightning runs its validation loop only when this exists
@@ -151,10 +174,14 @@ class RolloutDataModule(LightningDataModule):
         self.resume = ResumePoint()  # where a checkpoint left the current iteration
         # Lightning warns that a mid-epoch resume of a dataloader without state_dict is unreliable; this one resumes
         # exactly (the stream leaves out what the checkpoint trained and checks Lightning's position against it)
-        warnings.filterwarnings("ignore", message=r"You're resuming from a checkpoint that ended before the epoch ended")
+        warnings.filterwarnings(
+            "ignore", message=r"You're resuming from a checkpoint that ended before the epoch ended"
+        )
         self.history: deque[IterationStats] = deque(maxlen=HISTORY_KEPT)  # the last few: a long run holds the same
         self._use_prefetch = bool(prefetch)
-        self.start = IterationStart(self.gate, self._start_iteration)  # the opened iteration, before its stream takes it
+        self.start = IterationStart(
+            self.gate, self._start_iteration
+        )  # the opened iteration, before its stream takes it
         self._model_dir = InitialModelDir(initial_model, tokenizer)  # what the pool's engines start from
         pool.check_capacity(shape, self.sampling)
 
@@ -204,7 +231,9 @@ class RolloutDataModule(LightningDataModule):
         if isinstance(batch, MicroBatch) and batch.advantages.device == device:
             return batch
         if isinstance(batch, MicroBatch):  # the trajectories are for logs, on the CPU: keep them out of the walk
-            moved = super().transfer_batch_to_device(dataclasses.replace(batch, trajectories=[]), device, dataloader_idx)
+            moved = super().transfer_batch_to_device(
+                dataclasses.replace(batch, trajectories=[]), device, dataloader_idx
+            )
             moved.trajectories = batch.trajectories
             return moved
         return super().transfer_batch_to_device(batch, device, dataloader_idx)
@@ -216,8 +245,12 @@ class RolloutDataModule(LightningDataModule):
         return DataLoader(EvalStream(self), batch_size=None, num_workers=0, collate_fn=lambda batch: batch)
 
     def state_dict(self) -> dict:
-        return {**self.schedule.state_dict(), **self.gate.state_dict(), "iterations_done": self.iterations_done,
-                **ResumePoint.saved(self.trainer, self.share, self.iterations_done)}
+        return {
+            **self.schedule.state_dict(),
+            **self.gate.state_dict(),
+            "iterations_done": self.iterations_done,
+            **ResumePoint.saved(self.trainer, self.share, self.iterations_done),
+        }
 
     def load_state_dict(self, state_dict: dict) -> None:
         self.schedule.load_state_dict(state_dict)
@@ -245,12 +278,23 @@ class RolloutDataModule(LightningDataModule):
     # -- one iteration ---------------------------------------------------------------------------------
     def batcher(self) -> IterationBatcher:
         correct = self.correct_reward
-        acceptor = GroupAcceptor(self.objective, self.shape.group_size, self.sampling.max_new_tokens, lambda reward: reward >= correct)
+        acceptor = GroupAcceptor(
+            self.objective, self.shape.group_size, self.sampling.max_new_tokens, lambda reward: reward >= correct
+        )
         return IterationBatcher(
-            self.share, self.schedule, self.pool, self.scorer, acceptor, self.sampling, self.packing, self.tokenizer.pad_token_id,
-            materialize=self.mode == "sync", dynamic_sampling=bool(getattr(self.objective, "dynamic_sampling", False)),
+            self.share,
+            self.schedule,
+            self.pool,
+            self.scorer,
+            acceptor,
+            self.sampling,
+            self.packing,
+            self.tokenizer.pad_token_id,
+            materialize=self.mode == "sync",
+            dynamic_sampling=bool(getattr(self.objective, "dynamic_sampling", False)),
             max_sampling_rounds=self.max_sampling_rounds,
-            logprob_tolerance=self.resolved_logprob_tolerance(), open_slots_everywhere=self.slots.everywhere,
+            logprob_tolerance=self.resolved_logprob_tolerance(),
+            open_slots_everywhere=self.slots.everywhere,
         )
 
     def resolved_logprob_tolerance(self) -> float | None:
@@ -268,14 +312,18 @@ class RolloutDataModule(LightningDataModule):
             raise OffPolicyError(f"the gate opened version {version} but the pool holds version {self.pool.version}")
         stats = IterationStats(version=version, requested_at=time.monotonic())
         batches = self.batcher().micro_batches(version, stats)
-        return Started(version, stats, HeadStart(batches, f"lit_parl-iteration-{version}", to_the_end=self._use_prefetch))
+        return Started(
+            version, stats, HeadStart(batches, f"lit_parl-iteration-{version}", to_the_end=self._use_prefetch)
+        )
 
     def evaluate(self) -> dict[str, float]:
         """The held-out metrics when the iteration just trained is due (Lightning validates after each epoch)."""
         trainer = self.trainer
         if self.evaluator is None or trainer is None or trainer.sanity_checking or not self.history:
             return {}  # before the first iteration the pool holds no policy yet
-        return self.evaluator.after_iteration(trainer, self.iterations_done, self.history[-1].version, self.pool, self.sampling)
+        return self.evaluator.after_iteration(
+            trainer, self.iterations_done, self.history[-1].version, self.pool, self.sampling
+        )
 
     def finish_iteration(self, stats: IterationStats) -> None:
         """Book the iteration (its last micro-batch is about to leave): its stats, the schedule's cursor, the gate."""

@@ -40,9 +40,13 @@ class VersionGate:
     def open(self, version: int, confirmed: int | None) -> None:
         """Let an iteration of ``version`` start; ``confirmed`` is the version the pool reports holding."""
         if self.last_version is not None and version <= self.last_version:
-            raise OffPolicyError(f"policy version {version} is not newer than the last iteration's ({self.last_version})")
+            raise OffPolicyError(
+                f"policy version {version} is not newer than the last iteration's ({self.last_version})"
+            )
         if confirmed != version:
-            raise OffPolicyError(f"the gate was asked to open version {version} but the pool confirmed version {confirmed}")
+            raise OffPolicyError(
+                f"the gate was asked to open version {version} but the pool confirmed version {confirmed}"
+            )
         self._version = version
         self._event.set()
 

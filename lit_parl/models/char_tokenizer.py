@@ -28,6 +28,4 @@ def build_char_tokenizer(characters: str = CHARACTERS) -> PreTrainedTokenizerFas
     backend = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     backend.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
     backend.decoder = decoders.Fuse()
-    return PreTrainedTokenizerFast(
-        tokenizer_object=backend, pad_token="<pad>", eos_token="<eos>", unk_token="<unk>"
-    )
+    return PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="<pad>", eos_token="<eos>", unk_token="<unk>")

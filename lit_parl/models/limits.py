@@ -46,7 +46,9 @@ def check_context(config: PretrainedConfig, max_new_tokens: int) -> None:
         )
 
 
-def micro_batch_bytes(config: PretrainedConfig, samples: int, sample_tokens: int, logprob_chunk_size: int, element_bytes: int = 4) -> int:
+def micro_batch_bytes(
+    config: PretrainedConfig, samples: int, sample_tokens: int, logprob_chunk_size: int, element_bytes: int = 4
+) -> int:
     """Estimated activation and logits memory of one micro-batch's forward and backward (see the factors above).
 
     ``sample_tokens`` is prompt plus completion: each sample on its own row (the padded layout, the
@@ -61,15 +63,18 @@ def micro_batch_bytes(config: PretrainedConfig, samples: int, sample_tokens: int
     return activations + logits
 
 
-def check_memory(config: PretrainedConfig, samples: int, sample_tokens: int | None, logprob_chunk_size: int,
-                 budget_gib: float | None) -> None:
+def check_memory(
+    config: PretrainedConfig, samples: int, sample_tokens: int | None, logprob_chunk_size: int, budget_gib: float | None
+) -> None:
     """Refuse a micro-batch whose estimated activation and logits memory exceeds ``budget_gib`` (None: no budget);
     ``sample_tokens``: prompt and completion tokens of the longest sample (None: the model's context, a bound)."""
     if budget_gib is None:
         return
     sample_tokens = sample_tokens or context_length(config)
     if sample_tokens is None:
-        raise ValueError("GRPOModule(memory_budget_gib=...) needs max_sample_tokens: this model's config gives no context length")
+        raise ValueError(
+            "GRPOModule(memory_budget_gib=...) needs max_sample_tokens: this model's config gives no context length"
+        )
     need = micro_batch_bytes(config, samples, sample_tokens, logprob_chunk_size) / 2**30
     if need > budget_gib:
         raise ValueError(

@@ -38,7 +38,9 @@ def pretrained(path: str, dtype: str = "float32") -> tuple[PreTrainedModel, PreT
     return model, tokenizer
 
 
-def gguf(path: str, cache_dir: str | None = None, dtype: str = "float32") -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+def gguf(
+    path: str, cache_dir: str | None = None, dtype: str = "float32"
+) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """A local GGUF file (llama.cpp's format) as an ordinary transformers model and its tokenizer.
 
     transformers de-quantizes a GGUF file into a model that refuses ``save_pretrained``, and the rollout
@@ -54,7 +56,9 @@ def gguf(path: str, cache_dir: str | None = None, dtype: str = "float32") -> tup
     """
     file = Path(path).expanduser().resolve()
     if not file.is_file():
-        raise FileNotFoundError(f"gguf(path={path!r}): no such file. Point model.path at a local .gguf file; nothing is downloaded.")
+        raise FileNotFoundError(
+            f"gguf(path={path!r}): no such file. Point model.path at a local .gguf file; nothing is downloaded."
+        )
     stat = file.stat()
     key = hashlib.blake2b(f"{file}/{stat.st_size}/{stat.st_mtime_ns}".encode(), digest_size=6).hexdigest()
     root = Path(cache_dir) if cache_dir else cache_root() / "gguf"

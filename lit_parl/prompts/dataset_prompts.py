@@ -190,7 +190,9 @@ class DatasetPrompts(DatasetRows):
         if eval_split is not None and eval_rows:
             raise ValueError("give eval_split (another split) or eval_rows (rows held out of split), not both")
         if eval_split is not None and eval_split == split:
-            raise ValueError(f"eval_split={eval_split!r} is the training split; evaluate on another split or use eval_rows")
+            raise ValueError(
+                f"eval_split={eval_split!r} is the training split; evaluate on another split or use eval_rows"
+            )
         if eval_rows < 0:
             raise ValueError(f"eval_rows must be >= 0, got {eval_rows}")
         source = path if path is not None else f"hub dataset {name!r}" + (f" ({subset!r})" if subset else "")
@@ -218,7 +220,9 @@ class DatasetPrompts(DatasetRows):
                 )
             held_out = np.sort(np.random.default_rng(seed).choice(size, size=eval_rows, replace=False))
             indices = np.setdiff1d(np.arange(size), held_out)
-            self._evaluation = DatasetRows(train, where=f"{source} (split {split!r}, held out)", indices=held_out, **columns)
+            self._evaluation = DatasetRows(
+                train, where=f"{source} (split {split!r}, held out)", indices=held_out, **columns
+            )
         elif eval_split is not None:
             evaluation = _split(splits, eval_split, "eval_split", source)
             self._evaluation = DatasetRows(evaluation, where=f"{source} (split {eval_split!r})", **columns)
@@ -241,7 +245,9 @@ def _load_path(path: str, cache_dir: str | None) -> dict[str, datasets.Dataset]:
             return dict(datasets.load_dataset(path, cache_dir=cache_dir))
         except Exception as error:
             cause = f" ({error.__cause__})" if error.__cause__ else ""
-            raise ValueError(f"could not read the folder {path} as a dataset: {type(error).__name__}: {error}{cause}") from error
+            raise ValueError(
+                f"could not read the folder {path} as a dataset: {type(error).__name__}: {error}{cause}"
+            ) from error
     files = sorted(glob.glob(path)) if glob.has_magic(path) else [path] if os.path.exists(path) else []
     if not files:
         raise FileNotFoundError(f"path={path!r}: no such file, folder or matching files")

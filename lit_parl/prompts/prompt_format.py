@@ -54,7 +54,9 @@ class PromptFormat:
 
     def uses_chat(self, row: PromptRow) -> bool:
         if row.is_chat and self.chat is False:
-            raise ValueError(f"row {row.index} holds chat messages but the prompt format says chat=false; set chat=true or null")
+            raise ValueError(
+                f"row {row.index} holds chat messages but the prompt format says chat=false; set chat=true or null"
+            )
         return row.is_chat or bool(self.chat)
 
     def check_tokenizer(self, tokenizer: PreTrainedTokenizerBase, any_chat: bool) -> None:

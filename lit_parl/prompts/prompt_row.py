@@ -69,11 +69,19 @@ class PromptRow:
 def check_messages(messages: Any, index: int) -> list[dict[str, str]]:
     """``messages`` as a list of ``{"role": str, "content": str}``; a clear error naming the row otherwise."""
     if isinstance(messages, (str, bytes)) or not isinstance(messages, (list, tuple)) or not messages:
-        raise ValueError(f"row {index}: messages must be a non-empty list of {{'role': ..., 'content': ...}} dicts, got {messages!r:.80}")
+        raise ValueError(
+            f"row {index}: messages must be a non-empty list of {{'role': ..., 'content': ...}} dicts, got {messages!r:.80}"
+        )
     checked = []
     for turn, message in enumerate(messages):
-        if not isinstance(message, Mapping) or not isinstance(message.get("role"), str) or not isinstance(message.get("content"), str):
-            raise ValueError(f"row {index}: message {turn} must be a dict with string 'role' and 'content', got {message!r:.80}")
+        if (
+            not isinstance(message, Mapping)
+            or not isinstance(message.get("role"), str)
+            or not isinstance(message.get("content"), str)
+        ):
+            raise ValueError(
+                f"row {index}: message {turn} must be a dict with string 'role' and 'content', got {message!r:.80}"
+            )
         checked.append({"role": message["role"], "content": message["content"]})
     if not any(m["content"].strip() for m in checked):
         raise ValueError(f"row {index}: every message is empty")

@@ -48,7 +48,18 @@ import math
 from collections.abc import Callable, Mapping
 from typing import Any
 
-REWARD_FIELDS = ("prompt", "completion", "completion_ids", "stopped", "answer", "metadata", "messages", "answer_ids", "eos_id", "prompt_id")
+REWARD_FIELDS = (
+    "prompt",
+    "completion",
+    "completion_ids",
+    "stopped",
+    "answer",
+    "metadata",
+    "messages",
+    "answer_ids",
+    "eos_id",
+    "prompt_id",
+)
 TEXT_FIELDS = ("prompt", "completion")  # decoded only when a reward asks for them
 
 
@@ -60,13 +71,17 @@ def _signature_fields(fn: Callable, name: str) -> tuple[str, ...]:
     try:
         parameters = inspect.signature(fn).parameters.values()
     except (TypeError, ValueError) as error:
-        raise TypeError(f"reward {name!r}: cannot read its signature ({error}); define it with keyword parameters from {REWARD_FIELDS}") from error
+        raise TypeError(
+            f"reward {name!r}: cannot read its signature ({error}); define it with keyword parameters from {REWARD_FIELDS}"
+        ) from error
     if any(p.kind is p.VAR_KEYWORD for p in parameters):
         return REWARD_FIELDS  # **kwargs: everything
     fields = []
     for p in parameters:
         if p.kind in (p.VAR_POSITIONAL, p.POSITIONAL_ONLY):
-            raise TypeError(f"reward {name!r}: parameter {p.name!r} must be passable by keyword (rewards are called with keywords from {REWARD_FIELDS})")
+            raise TypeError(
+                f"reward {name!r}: parameter {p.name!r} must be passable by keyword (rewards are called with keywords from {REWARD_FIELDS})"
+            )
         if p.name in REWARD_FIELDS:
             fields.append(p.name)
         elif p.default is p.empty:
@@ -90,13 +105,17 @@ class Reward:
         batched: called once per group with lists (default: the callable's own ``batched`` attribute, else False).
     """
 
-    def __init__(self, fn: Callable | str, name: str | None = None, weight: float = 1.0, batched: bool | None = None) -> None:
+    def __init__(
+        self, fn: Callable | str, name: str | None = None, weight: float = 1.0, batched: bool | None = None
+    ) -> None:
         if isinstance(fn, str):
             fn = load_function(fn)
         if not callable(fn):
             raise TypeError(f"Reward(fn={fn!r}): a reward is a callable (a function, or an object with __call__)")
         self.fn = fn
-        inner = fn.func if isinstance(fn, functools.partial) else fn  # a partial (Hydra's _partial_) is named by its function
+        inner = (
+            fn.func if isinstance(fn, functools.partial) else fn
+        )  # a partial (Hydra's _partial_) is named by its function
         self.name = name or getattr(inner, "__name__", None) or type(inner).__name__
         if not isinstance(weight, (int, float)) or not math.isfinite(weight):
             raise ValueError(f"reward {self.name!r}: weight must be a finite number, got {weight!r}")
@@ -118,9 +137,13 @@ class Reward:
         """One sample's returned value as ``{metric name: number}``; TypeError for anything but numbers."""
         if isinstance(value, Mapping):
             if not value:
-                raise TypeError(f"reward {self.name!r} returned an empty dict; return a number or a dict of named numbers")
+                raise TypeError(
+                    f"reward {self.name!r} returned an empty dict; return a number or a dict of named numbers"
+                )
             if "failures" in value:  # reward/<name>/failures counts failed calls
-                raise TypeError(f"reward {self.name!r} returned a component named 'failures', a name the failure count uses; rename it")
+                raise TypeError(
+                    f"reward {self.name!r} returned a component named 'failures', a name the failure count uses; rename it"
+                )
             return {f"{self.name}/{key}": self._number(item, f"{self.name}/{key}") for key, item in value.items()}
         return {self.name: self._number(value, self.name)}
 
@@ -136,7 +159,9 @@ class Reward:
                 return float(value.item())
         except (TypeError, ValueError):
             pass
-        raise TypeError(f"reward {what!r} returned {type(value).__name__} {value!r:.60}; a reward returns a number (or a dict of named numbers)")
+        raise TypeError(
+            f"reward {what!r} returned {type(value).__name__} {value!r:.60}; a reward returns a number (or a dict of named numbers)"
+        )
 
     def __repr__(self) -> str:
         return f"Reward({self.name!r}, weight={self.weight}, fields={self.fields}{', batched' if self.batched else ''}{', async' if self.is_async else ''})"
@@ -159,7 +184,9 @@ def load_function(spec: str) -> Callable:
     else:
         module_name, _, name = spec.rpartition(".")
         if not module_name:
-            raise ImportError(f"reward {spec!r}: name a function as package.module.function or path/to/file.py:function")
+            raise ImportError(
+                f"reward {spec!r}: name a function as package.module.function or path/to/file.py:function"
+            )
         try:
             module = importlib.import_module(module_name)
         except ImportError as error:

@@ -31,7 +31,6 @@ from __future__ import annotations
 import asyncio
 import math
 import threading
-import time
 import traceback
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -137,6 +136,7 @@ def _await(coroutine, timeout_s: float | None):
 def _call_each(reward: Reward, inputs: Sequence[Mapping[str, Any]], timeout_s: float | None) -> list:
     """One result per sample (a value, or a ``_Failure``)."""
     if reward.is_async:
+
         async def one(sample):
             try:
                 return await asyncio.wait_for(reward.call(sample), timeout_s)
@@ -183,7 +183,9 @@ def _call_batched(reward: Reward, inputs: Sequence[Mapping[str, Any]], timeout_s
     return list(result)
 
 
-def score_group(rewards: Sequence[Reward], inputs: Sequence[Mapping[str, Any]], policy: ScoringPolicy, prompt_id: int) -> ScoredGroup:
+def score_group(
+    rewards: Sequence[Reward], inputs: Sequence[Mapping[str, Any]], policy: ScoringPolicy, prompt_id: int
+) -> ScoredGroup:
     """Every reward on every sample of one group (``inputs``: one dict of fields per sample)."""
     scored = ScoredGroup(totals=[0.0] * len(inputs))
     for reward in rewards:

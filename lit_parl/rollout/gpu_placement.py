@@ -17,7 +17,11 @@ def shown(gpu_ids) -> list:
 
 
 def split_gpu_ids(
-    gpu_ids, num_workers: int, tensor_parallel_size: int, owner: str, names: tuple[str, str] = ("num_workers", "tensor_parallel_size")
+    gpu_ids,
+    num_workers: int,
+    tensor_parallel_size: int,
+    owner: str,
+    names: tuple[str, str] = ("num_workers", "tensor_parallel_size"),
 ) -> list[list[int | str]] | None:
     """Each worker's GPU ids, checked: ``tensor_parallel_size`` per worker, no id used twice. ``owner`` and
     ``names`` (the pool's names for the two counts) are for the errors."""
@@ -32,7 +36,9 @@ def split_gpu_ids(
         f"({tensor_parallel_size} per worker, in order), or change {names[0]}"
     )
     if any(nested) and not all(nested):
-        raise ValueError(f"{owner}(gpu_ids={listed}): mixes lists and ids; give a list per worker ([[0], [1]]) or a flat list ([0, 1])")
+        raise ValueError(
+            f"{owner}(gpu_ids={listed}): mixes lists and ids; give a list per worker ([[0], [1]]) or a flat list ([0, 1])"
+        )
     if all(nested) and listed:
         if len(listed) != num_workers or any(len(ids) != tensor_parallel_size for ids in listed):
             raise ValueError(
@@ -46,8 +52,15 @@ def split_gpu_ids(
         per_worker = [listed[i * tensor_parallel_size : (i + 1) * tensor_parallel_size] for i in range(num_workers)]
     for ids in per_worker:
         for gpu in ids:
-            if isinstance(gpu, bool) or not isinstance(gpu, (int, str)) or (isinstance(gpu, int) and gpu < 0) or (isinstance(gpu, str) and not gpu.strip()):
-                raise ValueError(f"{owner}(gpu_ids={listed}): {gpu!r} is no GPU id; give GPU indices (0, 1, ...) or UUIDs")
+            if (
+                isinstance(gpu, bool)
+                or not isinstance(gpu, (int, str))
+                or (isinstance(gpu, int) and gpu < 0)
+                or (isinstance(gpu, str) and not gpu.strip())
+            ):
+                raise ValueError(
+                    f"{owner}(gpu_ids={listed}): {gpu!r} is no GPU id; give GPU indices (0, 1, ...) or UUIDs"
+                )
     seen: dict[str, int] = {}
     for worker, ids in enumerate(per_worker):
         for gpu in ids:

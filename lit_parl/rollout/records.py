@@ -38,7 +38,9 @@ class SamplingParams:
         if self.max_new_tokens < 1:
             raise ValueError(f"sampling.max_new_tokens must be >= 1, got {self.max_new_tokens}")
         if not self.temperature >= 0:
-            raise ValueError(f"sampling.temperature must be > 0 (log-probs are computed at logits / T), or 0 for greedy evaluation; got {self.temperature}")
+            raise ValueError(
+                f"sampling.temperature must be > 0 (log-probs are computed at logits / T), or 0 for greedy evaluation; got {self.temperature}"
+            )
         if not 0 < self.top_p <= 1:
             raise ValueError(f"sampling.top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < 0:  # vLLM and SGLang read -1 as "off", the hf sampler any value < 1: one spelling here
@@ -89,10 +91,22 @@ class GroupCompletions:
     logprobs: list[list[float]]
     finish_reasons: list[str]
 
-    def scored(self, rewards: list[float], components: dict[str, list[float | None]] | None = None, failures: dict[str, list[int]] | None = None) -> "Group":
+    def scored(
+        self,
+        rewards: list[float],
+        components: dict[str, list[float | None]] | None = None,
+        failures: dict[str, list[int]] | None = None,
+    ) -> Group:
         return Group(
-            self.prompt_id, self.version, self.sample_indices, self.completions, self.logprobs, list(rewards), self.finish_reasons,
-            dict(components or {}), dict(failures or {}),
+            self.prompt_id,
+            self.version,
+            self.sample_indices,
+            self.completions,
+            self.logprobs,
+            list(rewards),
+            self.finish_reasons,
+            dict(components or {}),
+            dict(failures or {}),
         )
 
 
@@ -107,5 +121,9 @@ class Group:
     logprobs: list[list[float]]
     rewards: list[float]  # each sample's total: the weighted sum of its rewards
     finish_reasons: list[str]  # "stop" (end/stop token) or "length" (cut at max_new_tokens)
-    reward_components: dict[str, list[float | None]] = field(default_factory=dict)  # metric -> per sample (None: the call failed)
-    reward_failures: dict[str, list[int]] = field(default_factory=dict)  # reward -> samples (positions) whose call failed
+    reward_components: dict[str, list[float | None]] = field(
+        default_factory=dict
+    )  # metric -> per sample (None: the call failed)
+    reward_failures: dict[str, list[int]] = field(
+        default_factory=dict
+    )  # reward -> samples (positions) whose call failed

@@ -213,7 +213,7 @@ def _check_gpu_placement() -> None:
             f"VLLMRolloutPool(gpu_ids=...) set CUDA_VISIBLE_DEVICES={visible!r} in this worker, but CUDA was "
             "initialised here before, so the engine would see the trainer's GPUs instead. Spawned workers import the "
             "main script again: move whatever touches CUDA there (e.g. torch.cuda.is_available()) under "
-            "`if __name__ == \"__main__\":`."
+            '`if __name__ == "__main__":`.'
         )
     from vllm.platforms import current_platform
 

@@ -22,11 +22,11 @@ import io
 import threading
 from collections.abc import Callable, Iterable
 from datetime import timedelta
+from multiprocessing.reduction import ForkingPickler
 from pathlib import Path
 
 import torch
 import torch.multiprocessing as torch_mp
-from multiprocessing.reduction import ForkingPickler
 
 
 def serialize_named_tensors(named_tensors: list[tuple[str, torch.Tensor]]) -> str:
@@ -74,18 +74,32 @@ def deserialize_named_tensors(payload: str) -> list[tuple[str, torch.Tensor]]:
 
 
 def init_weight_update_group(
-    master_address: str, master_port: int, rank: int, world_size: int, group_name: str, backend: str, timeout_s: float = 600.0
+    master_address: str,
+    master_port: int,
+    rank: int,
+    world_size: int,
+    group_name: str,
+    backend: str,
+    timeout_s: float = 600.0,
 ) -> torch.distributed.ProcessGroup:
     """Join the weight-update group (rank 0: the trainer, which hosts the rendezvous store)."""
     from torch.distributed.distributed_c10d import Backend, PrefixStore, _new_process_group_helper, _world, rendezvous
 
     timeout = timedelta(seconds=timeout_s)
-    store, rank, world_size = next(rendezvous(f"tcp://{master_address}:{master_port}", rank, world_size, timeout=timeout))
+    store, rank, world_size = next(
+        rendezvous(f"tcp://{master_address}:{master_port}", rank, world_size, timeout=timeout)
+    )
     store.set_timeout(timeout)
     store = PrefixStore(group_name, store)
     # the keyword for backend options was renamed across torch releases
-    options = "backend_options" if "backend_options" in inspect.signature(_new_process_group_helper).parameters else "pg_options"
-    group, _ = _new_process_group_helper(world_size, rank, [], Backend(backend), store, group_name=group_name, timeout=timeout, **{options: None})
+    options = (
+        "backend_options"
+        if "backend_options" in inspect.signature(_new_process_group_helper).parameters
+        else "pg_options"
+    )
+    group, _ = _new_process_group_helper(
+        world_size, rank, [], Backend(backend), store, group_name=group_name, timeout=timeout, **{options: None}
+    )
     _world.pg_group_ranks[group] = {i: i for i in range(world_size)}
     return group
 
@@ -128,14 +142,18 @@ def broadcast_from_trainer(
         if error is not None:
             sender.join(grace_s)
             if sender.is_alive():
-                raise BroadcastAbandoned(f"{error}; the broadcast was abandoned, pending in the weight-update group") from error
+                raise BroadcastAbandoned(
+                    f"{error}; the broadcast was abandoned, pending in the weight-update group"
+                ) from error
             raise error
         sender.join(0.005)
     if failed:
         raise failed[0]
 
 
-def save_shard(named_tensors: Iterable[tuple[str, torch.Tensor]], out_dir: str | Path, file_name: str) -> dict[str, str]:
+def save_shard(
+    named_tensors: Iterable[tuple[str, torch.Tensor]], out_dir: str | Path, file_name: str
+) -> dict[str, str]:
     """Write ``named_tensors`` as ``out_dir/file_name`` (safetensors); return their entries of the weight map."""
     from safetensors.torch import save_file
 

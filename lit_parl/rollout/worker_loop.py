@@ -21,7 +21,15 @@ import torch
 from lit_parl.rollout.processes import Outbox, die_with_parent
 from lit_parl.rollout.records import GroupCompletions, GroupRequest, SamplingParams
 from lit_parl.rollout.worker_messages import (
-    Attach, Generate, GroupDone, PieceDone, Ready, Stop, Sync, Synced, WorkerError,
+    Attach,
+    Generate,
+    GroupDone,
+    PieceDone,
+    Ready,
+    Stop,
+    Sync,
+    Synced,
+    WorkerError,
 )
 
 

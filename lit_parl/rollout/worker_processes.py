@@ -147,8 +147,13 @@ class WorkerProcesses:
             raise RuntimeError(f"{self.label} {worker.index} sent {type(message).__name__} while {doing}")
 
     def replace(
-        self, worker: Worker, restarts: int, doing: str, version: int,
-        reissued: Sequence[Sequence[GroupRequest]] = (), delivered: int = 0,
+        self,
+        worker: Worker,
+        restarts: int,
+        doing: str,
+        version: int,
+        reissued: Sequence[Sequence[GroupRequest]] = (),
+        delivered: int = 0,
     ) -> int:
         """Replace a worker that is gone with a new process loading ``version``; return the call's restarts so far.
 
@@ -181,8 +186,16 @@ class WorkerProcesses:
         log.warning(
             "%s %d (pid %s) %s while %s; restarted it as pid %s with version %d and re-issued %d request(s) in %d "
             "piece(s) (%d of their groups were delivered already: dropped when they come again)",
-            self.label, worker.index, process.pid, cause, doing, new.process.pid, version,
-            sum(len(requests) for requests in reissued), len(reissued), delivered,
+            self.label,
+            worker.index,
+            process.pid,
+            cause,
+            doing,
+            new.process.pid,
+            version,
+            sum(len(requests) for requests in reissued),
+            len(reissued),
+            delivered,
         )
         return restarts + 1
 

@@ -45,7 +45,12 @@ TEMPLATE = (
     "<answer>(1 + 2) / 3</answer>."
 )
 MAX_EXPRESSION_CHARS = 300  # a longer expression scores 0 unparsed: the given numbers never need more
-_OPERATORS = {ast.Add: Fraction.__add__, ast.Sub: Fraction.__sub__, ast.Mult: Fraction.__mul__, ast.Div: Fraction.__truediv__}
+_OPERATORS = {
+    ast.Add: Fraction.__add__,
+    ast.Sub: Fraction.__sub__,
+    ast.Mult: Fraction.__mul__,
+    ast.Div: Fraction.__truediv__,
+}
 
 
 @dataclass
@@ -82,7 +87,9 @@ class CountdownTask:
         try:
             self.template.format(numbers=[1, 2], target=3)
         except (KeyError, IndexError, ValueError) as error:
-            raise ValueError(f"CountdownTask template may only use the fields {{numbers}} and {{target}}: {error!r}") from error
+            raise ValueError(
+                f"CountdownTask template may only use the fields {{numbers}} and {{target}}: {error!r}"
+            ) from error
 
     def row(self, index: int) -> PromptRow:
         """Prompt ``index``: its numbers and target in the prompt, ``answer=str(target)``, and both in metadata."""
@@ -98,7 +105,7 @@ class CountdownTask:
             metadata={"numbers": numbers, "target": target},
         )
 
-    def evaluation(self) -> "CountdownTask":
+    def evaluation(self) -> CountdownTask:
         """Held-out prompts: the same task from another seed."""
         return dataclasses.replace(self, seed=f"{self.seed}/eval")
 

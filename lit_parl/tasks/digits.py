@@ -20,8 +20,8 @@ from __future__ import annotations
 import dataclasses
 import random
 from abc import ABC, abstractmethod
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 from lit_parl.prompts.prompt_row import PromptRow
 
@@ -71,7 +71,7 @@ class DigitTask(ABC):
         prompt, answer = self.make(index)
         return PromptRow(index=index, prompt=prompt, answer=answer)
 
-    def evaluation(self) -> "DigitTask":
+    def evaluation(self) -> DigitTask:
         """Held-out prompts: the same task from another seed (a draw repeats a training prompt by chance only)."""
         return dataclasses.replace(self, seed=f"{self.seed}/eval")
 

@@ -38,19 +38,19 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from lit_parl.callbacks.full_tensors import is_sharded
 from lit_parl.data.iteration_shape import IterationShape
+from lit_parl.data.micro_batch import MicroBatch
 from lit_parl.errors import OffPolicyError
-from lit_parl.trainer.guards import NonFiniteGuard, off_policy_problem, worst_group_mismatch
 from lit_parl.kernels.backends import compute_dtype as attention_dtype
 from lit_parl.kernels.backends import resolve_backend
 from lit_parl.kernels.forward import check_supported
-from lit_parl.trainer.iteration_metrics import IterationMetrics
-from lit_parl.trainer.iteration_progress import IterationProgress
-from lit_parl.trainer.precision import check_precision, compute_dtype, enable_checkpointing
-from lit_parl.trainer.lean_checkpoint import fingerprint, leave_out, put_back
 from lit_parl.models.limits import check_memory
 from lit_parl.trainer.grpo_objective import GRPOObjective
+from lit_parl.trainer.guards import NonFiniteGuard, off_policy_problem, worst_group_mismatch
+from lit_parl.trainer.iteration_metrics import IterationMetrics
+from lit_parl.trainer.iteration_progress import IterationProgress
+from lit_parl.trainer.lean_checkpoint import fingerprint, leave_out, put_back
+from lit_parl.trainer.precision import check_precision, compute_dtype, enable_checkpointing
 from lit_parl.trainer.strategies import StrategyAdapter, adapter_for
-from lit_parl.data.micro_batch import MicroBatch
 
 
 def _frozen_copy(model: PreTrainedModel) -> PreTrainedModel:
@@ -118,7 +118,9 @@ class GRPOModule(LightningModule):
         super().__init__()
         check_supported(policy)
         if not temperature > 0:
-            raise ValueError(f"GRPOModule(temperature={temperature}): training log-probs are taken at logits / T, T > 0 (greedy is for evaluation)")
+            raise ValueError(
+                f"GRPOModule(temperature={temperature}): training log-probs are taken at logits / T, T > 0 (greedy is for evaluation)"
+            )
         check_memory(policy.config, shape.micro_batch_size, max_sample_tokens, logprob_chunk_size, memory_budget_gib)
         objective.check_shape(shape.micro_batch_size, shape.group_size)
         self.automatic_optimization = False
@@ -141,7 +143,9 @@ class GRPOModule(LightningModule):
         self.reference = _frozen_copy(policy) if objective.needs_reference else None
         self.old = _frozen_copy(policy) if shape.optimizer_steps > 1 else None
         self.gradient_checkpointing = gradient_checkpointing
-        if gradient_checkpointing:  # the policy only, after the copies: θ_k and the reference keep no activations anyway
+        if (
+            gradient_checkpointing
+        ):  # the policy only, after the copies: θ_k and the reference keep no activations anyway
             enable_checkpointing(policy)
         # checkpoints leave out what the module rebuilds: θ_0 (from the initial model, checked against this) and,
         # between iterations, θ_k (the policy at the iteration's start)
@@ -205,15 +209,26 @@ class GRPOModule(LightningModule):
         """Logs what the held-out evaluation measured (``lit_parl.data.evaluator``: the datamodule generates
         and scores it through the pool, with the weights of the iteration just trained)."""
         for name, value in metrics.items():
-            self.log(name, value, prog_bar=name in ("val/greedy_accuracy", "val/pass@1") or name.startswith("val/mean@"), batch_size=1)
+            self.log(
+                name,
+                value,
+                prog_bar=name in ("val/greedy_accuracy", "val/pass@1") or name.startswith("val/mean@"),
+                batch_size=1,
+            )
 
     # -- the algorithm ---------------------------------------------------------------------------------
     def completion_logprobs(self, model: PreTrainedModel, batch: MicroBatch, with_entropy: bool = False):
         """Log-probs ``[n, T]`` of the batch's completions under ``model`` at the sampling temperature."""
-        if batch.tokens.attention is not None:  # resolved at fit start; outside a fit, for what autocast or the weights compute in now
-            backend = self._backend or resolve_backend(self.attention_backend, self.device, attention_dtype(next(model.parameters())))
+        if (
+            batch.tokens.attention is not None
+        ):  # resolved at fit start; outside a fit, for what autocast or the weights compute in now
+            backend = self._backend or resolve_backend(
+                self.attention_backend, self.device, attention_dtype(next(model.parameters()))
+            )
             batch.tokens.attention.backend = backend
-        return self.strategy_adapter.logprobs(model, batch.tokens, self.temperature, self.logprob_chunk_size, with_entropy)
+        return self.strategy_adapter.logprobs(
+            model, batch.tokens, self.temperature, self.logprob_chunk_size, with_entropy
+        )
 
     def training_step(self, batch: MicroBatch, batch_idx: int) -> torch.Tensor:
         start = time.monotonic()
@@ -226,10 +241,17 @@ class GRPOModule(LightningModule):
         if objective.kl_in_reward and ref_logp is not None:
             advantages = objective.kl_in_reward_advantages(batch, old_logp, ref_logp)
         terms = objective(logp, old_logp, ref_logp, advantages, batch.completion_mask, batch.rollout_logprobs, entropy)
-        values = {"advantages": advantages, "log-probs": logp, "rollout log-probs": batch.rollout_logprobs, "loss": terms.loss_sum}
+        values = {
+            "advantages": advantages,
+            "log-probs": logp,
+            "rollout log-probs": batch.rollout_logprobs,
+            "loss": terms.loss_sum,
+        }
         finite = self.guard.inspect(values, batch.prompt_ids)
         if batch.pass_index == 0 and self._off_policy is None:  # the samples, not their labels, show the weights used
-            worst, prompt_id = worst_group_mismatch(batch.rollout_logprobs, old_logp, batch.completion_mask, batch.prompt_ids)
+            worst, prompt_id = worst_group_mismatch(
+                batch.rollout_logprobs, old_logp, batch.completion_mask, batch.prompt_ids
+            )
             self._off_policy = off_policy_problem(worst, prompt_id, batch.logprob_tolerance, batch.version)
         # Backward even now: under DDP every rank must join each backward's gradient reduction. Both checks
         # are decided at the optimizer step, on every rank at once, before any weight moves.
@@ -261,12 +283,19 @@ class GRPOModule(LightningModule):
         total, loss_sum, flagged, off_policy = self.trainer.strategy.reduce(local, reduce_op="sum").tolist()
         self._normaliser, self._loss_sum = 0.0, 0.0
         if off_policy > 0:
-            raise OffPolicyError(self._off_policy or "another rank's rollout log-probs differ from θ_k's beyond datamodule.logprob_tolerance")
+            raise OffPolicyError(
+                self._off_policy
+                or "another rank's rollout log-probs differ from θ_k's beyond datamodule.logprob_tolerance"
+            )
         scale = world / total if total > 0 else 1.0  # gradients are averaged over ranks; the normaliser spans them all
         flagged_elsewhere = flagged > float(self.guard.pending)
         grad_norm = self.strategy_adapter.step(
-            optimizer, self.policy, scale, self.max_grad_norm,
-            lambda norm: self.guard.step_is_finite(norm, flagged_elsewhere=flagged_elsewhere), flagged > 0,
+            optimizer,
+            self.policy,
+            scale,
+            self.max_grad_norm,
+            lambda norm: self.guard.step_is_finite(norm, flagged_elsewhere=flagged_elsewhere),
+            flagged > 0,
         )
         if grad_norm is None:
             return self._skip_step(optimizer)
@@ -279,7 +308,9 @@ class GRPOModule(LightningModule):
 
     def _skip_step(self, optimizer) -> None:
         optimizer.zero_grad(set_to_none=True)
-        rank_zero_warn(f"optimizer step skipped (module.on_nonfinite=skip; {self.guard.skipped_steps} so far): {self.guard.last_problem}")
+        rank_zero_warn(
+            f"optimizer step skipped (module.on_nonfinite=skip; {self.guard.skipped_steps} so far): {self.guard.last_problem}"
+        )
 
     # -- checkpoints -----------------------------------------------------------------------------------
     def on_save_checkpoint(self, checkpoint: dict) -> None:
@@ -287,7 +318,12 @@ class GRPOModule(LightningModule):
         self.progress.save(checkpoint)  # a checkpoint between micro-batches of a step resumes from that step's start
         # inside an iteration θ_k is kept: a resume pushes it to the pool and trains the rest of the iteration against
         # it. Under FSDP2 nothing is left out: its loader fills the module's every key before this module sees the file.
-        leave_out(checkpoint, self._reference_fingerprint, inside_iteration=self.progress.inside, keep_all=is_sharded(self.policy))
+        leave_out(
+            checkpoint,
+            self._reference_fingerprint,
+            inside_iteration=self.progress.inside,
+            keep_all=is_sharded(self.policy),
+        )
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
         if "lit_parl_nonfinite" in checkpoint:  # checkpoints written before the guard existed have none

@@ -44,7 +44,9 @@ def kl_estimate(logp: torch.Tensor, ref_logp: torch.Tensor, estimator: str) -> t
     raise ValueError(f"kl_estimator={estimator!r}; choose one of {KL_ESTIMATORS}")
 
 
-def aggregate(per_token: torch.Tensor, mask: torch.Tensor, mode: str, max_length: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+def aggregate(
+    per_token: torch.Tensor, mask: torch.Tensor, mode: str, max_length: int | None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(un-normalised sum, normaliser) of ``per_token`` ``[B, T]`` over ``mask`` for aggregation ``mode``."""
     masked = torch.where(mask > 0, per_token, torch.zeros_like(per_token))  # an inf off the mask must not become NaN
     tokens = mask.sum(-1)
@@ -107,16 +109,30 @@ class GRPOObjective:
     ) -> None:
         clip_eps_high = clip_eps if clip_eps_high is None else clip_eps_high
         checks = [
-            (loss_aggregation in LOSS_AGGREGATIONS, f"loss_aggregation={loss_aggregation!r}; choose one of {LOSS_AGGREGATIONS}"),
+            (
+                loss_aggregation in LOSS_AGGREGATIONS,
+                f"loss_aggregation={loss_aggregation!r}; choose one of {LOSS_AGGREGATIONS}",
+            ),
             (kl_estimator in KL_ESTIMATORS, f"kl_estimator={kl_estimator!r}; choose one of {KL_ESTIMATORS}"),
             (advantage in ADVANTAGES, f"advantage={advantage!r}; choose one of {ADVANTAGES}"),
             (ratio_level in RATIO_LEVELS, f"ratio_level={ratio_level!r}; choose one of {RATIO_LEVELS}"),
-            (clip_eps > 0 and clip_eps_high > 0, f"need clip_eps > 0 and clip_eps_high > 0, got {clip_eps}, {clip_eps_high}"),
-            (beta >= 0 and entropy_coef >= 0, f"need beta >= 0 and entropy_coef >= 0, got beta={beta}, entropy_coef={entropy_coef}"),
-            (loss_aggregation != "seq-mean-token-sum-norm" or (max_length or 0) > 0,
-             "loss_aggregation=seq-mean-token-sum-norm needs max_length (the completion length limit)"),
+            (
+                clip_eps > 0 and clip_eps_high > 0,
+                f"need clip_eps > 0 and clip_eps_high > 0, got {clip_eps}, {clip_eps_high}",
+            ),
+            (
+                beta >= 0 and entropy_coef >= 0,
+                f"need beta >= 0 and entropy_coef >= 0, got beta={beta}, entropy_coef={entropy_coef}",
+            ),
+            (
+                loss_aggregation != "seq-mean-token-sum-norm" or (max_length or 0) > 0,
+                "loss_aggregation=seq-mean-token-sum-norm needs max_length (the completion length limit)",
+            ),
             (tis_cap is None or tis_cap >= 1, f"tis_cap must be >= 1 (or null: off), got {tis_cap}"),
-            (overlong_buffer is None or overlong_buffer > 0, f"overlong_buffer must be > 0 (or null: off), got {overlong_buffer}"),
+            (
+                overlong_buffer is None or overlong_buffer > 0,
+                f"overlong_buffer must be > 0 (or null: off), got {overlong_buffer}",
+            ),
         ]
         for ok, message in checks:
             if not ok:
@@ -135,7 +151,9 @@ class GRPOObjective:
         return self.beta > 0
 
     # -- rewards and advantages ----------------------------------------------------------------------------
-    def shape_rewards(self, rewards: torch.Tensor, lengths: torch.Tensor, truncated: torch.Tensor, length_limit: int) -> torch.Tensor:
+    def shape_rewards(
+        self, rewards: torch.Tensor, lengths: torch.Tensor, truncated: torch.Tensor, length_limit: int
+    ) -> torch.Tensor:
         """DAPO's overlong reward shaping (identity when ``overlong_buffer`` is None)."""
         if self.overlong_buffer is None:
             return rewards

@@ -33,14 +33,18 @@ import torch
 NONFINITE_POLICIES = ("skip", "raise")
 
 
-def logprob_mismatch(rollout_logp: torch.Tensor, old_logp: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def logprob_mismatch(
+    rollout_logp: torch.Tensor, old_logp: torch.Tensor, mask: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(Σ|Δ|, Σ KL_k3(θ_k || rollout), tokens)`` over ``mask``, with Δ = rollout - θ_k log-prob per token."""
     mask = mask.to(old_logp.dtype)
     delta = (rollout_logp.to(old_logp.dtype) - old_logp) * mask
     return delta.abs().sum(), ((torch.exp(-delta) + delta - 1) * mask).sum(), mask.sum()
 
 
-def worst_group_mismatch(rollout_logp: torch.Tensor, old_logp: torch.Tensor, mask: torch.Tensor, prompt_ids: list[int]) -> tuple[float, int]:
+def worst_group_mismatch(
+    rollout_logp: torch.Tensor, old_logp: torch.Tensor, mask: torch.Tensor, prompt_ids: list[int]
+) -> tuple[float, int]:
     """The largest mean |Δ log-prob| per token over the micro-batch's groups, and that group's prompt id.
 
     Per group, not per micro-batch: a group comes from one worker, so one stale worker among several is
@@ -110,7 +114,9 @@ class NonFiniteGuard:
     def step_is_finite(self, grad_norm: torch.Tensor, flagged_elsewhere: bool = False) -> bool:
         """Decide this optimizer step: ``False`` to skip it. ``flagged_elsewhere``: another rank found a problem."""
         if not bool(torch.isfinite(grad_norm)):
-            self._problems.append(f"non-finite gradient (norm {float(grad_norm)}) in the step over prompts {sorted(self._step_prompts)[:8]}")
+            self._problems.append(
+                f"non-finite gradient (norm {float(grad_norm)}) in the step over prompts {sorted(self._step_prompts)[:8]}"
+            )
         elif flagged_elsewhere and not self._problems:
             self._problems.append("a non-finite value on another rank")
         ok = not self._problems

@@ -23,11 +23,30 @@ from torchmetrics import MaxMetric, MeanMetric
 
 from lit_parl.trainer.guards import logprob_mismatch
 
-_MEANS = ("reward", "reward_sq", "accuracy", "length", "truncated", "zero_variance", "mismatch_abs", "mismatch_kl",
-          "clip_fraction", "kl_ref", "entropy", "approx_kl", "grad_norm")
+_MEANS = (
+    "reward",
+    "reward_sq",
+    "accuracy",
+    "length",
+    "truncated",
+    "zero_variance",
+    "mismatch_abs",
+    "mismatch_kl",
+    "clip_fraction",
+    "kl_ref",
+    "entropy",
+    "approx_kl",
+    "grad_norm",
+)
 # the logged name of each aggregate whose name is not already the logged one
-_LOGGED_AS = {"length": "length/mean", "length_max": "length/max", "truncated": "truncation_rate",
-              "zero_variance": "zero_variance_share", "mismatch_abs": "mismatch/logprob_abs_diff", "mismatch_kl": "mismatch/kl"}
+_LOGGED_AS = {
+    "length": "length/mean",
+    "length_max": "length/max",
+    "truncated": "truncation_rate",
+    "zero_variance": "zero_variance_share",
+    "mismatch_abs": "mismatch/logprob_abs_diff",
+    "mismatch_kl": "mismatch/kl",
+}
 
 
 class IterationMetrics(torch.nn.Module):
@@ -95,10 +114,15 @@ class IterationMetrics(torch.nn.Module):
             values["reward_std"] = (values.pop("reward_sq") - values["reward"] ** 2).clamp(min=0).sqrt()
         for name, value in values.items():
             module.log(_LOGGED_AS.get(name, name), value, prog_bar=name == "reward")
-        for name, (total, count) in self._reward_sums.items():  # every rank logs the same names: they come from the rewards
+        for name, (
+            total,
+            count,
+        ) in self._reward_sums.items():  # every rank logs the same names: they come from the rewards
             module.log(f"reward/{name}", total / max(count, 1), sync_dist=True)
         for name in self._reward_sums:  # summed over ranks: every rank logs every reward's count, 0 included
-            module.log(f"reward/{name}/failures", float(self._reward_failures.get(name, 0)), sync_dist=True, reduce_fx="sum")
+            module.log(
+                f"reward/{name}/failures", float(self._reward_failures.get(name, 0)), sync_dist=True, reduce_fx="sum"
+            )
         self._reward_sums, self._reward_failures = {}, {}
         for metric in self.aggregates.values():
             metric.reset()

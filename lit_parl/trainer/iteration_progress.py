@@ -31,6 +31,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+
 @dataclass
 class IterationProgress:
     """The module's position in the current iteration.

@@ -32,20 +32,26 @@ Fingerprint = list[tuple[str, float, float]]
 def fingerprint(model: torch.nn.Module) -> Fingerprint:
     """Per parameter, the sum and the sum of squares in float64: tells a rebuilt θ_0 from other weights."""
     with torch.no_grad():
-        return [(name, float(p.double().sum()), float(p.double().square().sum())) for name, p in model.named_parameters()]
+        return [
+            (name, float(p.double().sum()), float(p.double().square().sum())) for name, p in model.named_parameters()
+        ]
 
 
 def same_fingerprint(saved: Fingerprint, rebuilt: Fingerprint, rtol: float = 1e-9) -> bool:
     if [name for name, *_ in saved] != [name for name, *_ in rebuilt]:
         return False
-    return all(abs(a - b) <= rtol * max(abs(a), abs(b), 1.0) for (_, *x), (_, *y) in zip(saved, rebuilt) for a, b in zip(x, y))
+    return all(
+        abs(a - b) <= rtol * max(abs(a), abs(b), 1.0) for (_, *x), (_, *y) in zip(saved, rebuilt) for a, b in zip(x, y)
+    )
 
 
 def _is_sharded(state: dict) -> bool:
     return any(hasattr(value, "full_tensor") for value in state.values())
 
 
-def leave_out(checkpoint: dict, reference_fingerprint: Fingerprint | None, inside_iteration: bool, keep_all: bool = False) -> None:
+def leave_out(
+    checkpoint: dict, reference_fingerprint: Fingerprint | None, inside_iteration: bool, keep_all: bool = False
+) -> None:
     """Drop ``reference.*`` (θ_0) and, between iterations, ``old.*`` (θ_k) from ``checkpoint["state_dict"]``.
 
     ``keep_all``: drop nothing (a strategy whose loader fills the module's state before the module's hooks run).
@@ -74,4 +80,6 @@ def put_back(checkpoint: dict, reference: torch.nn.Module | None, has_old: bool)
             )
         state.update({f"reference.{name}": tensor for name, tensor in reference.state_dict().items()})
     if has_old and not any(name.startswith("old.") for name in state):
-        state.update({f"old.{name[len('policy.'):]}": tensor for name, tensor in state.items() if name.startswith("policy.")})
+        state.update(
+            {f"old.{name[len('policy.') :]}": tensor for name, tensor in state.items() if name.startswith("policy.")}
+        )

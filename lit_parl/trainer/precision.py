@@ -57,11 +57,15 @@ def enable_checkpointing(model: PreTrainedModel) -> None:
     included), is recomputed in the backward, under the attention implementation of its forward
     (``checkpoint_context_fn``), inside any FSDP unit or hook around the layer."""
     if not getattr(model, "supports_gradient_checkpointing", False):
-        raise ValueError(f"GRPOModule(gradient_checkpointing=True): {type(model).__name__} does not support gradient checkpointing")
+        raise ValueError(
+            f"GRPOModule(gradient_checkpointing=True): {type(model).__name__} does not support gradient checkpointing"
+        )
     # non-reentrant: it takes the layers' keyword arguments and a context for the backward's recomputation, which
     # must run the attention the forward ran (use_shared_prompt_attention is over by then)
     kwargs = {"use_reentrant": False, "context_fn": checkpoint_context_fn(model)}
-    if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5 (gradient_checkpointing_enable is its deprecated alias)
+    if hasattr(
+        model, "activation_checkpointing_enable"
+    ):  # transformers >= 5 (gradient_checkpointing_enable is its deprecated alias)
         model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
     else:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)

@@ -47,7 +47,9 @@ class WarmupSchedule:
         if self.warmup_steps < 0:
             raise ValueError(f"WarmupSchedule(warmup_steps={self.warmup_steps}) must be >= 0")
 
-    def __call__(self, optimizer: torch.optim.Optimizer, total_steps: int | None = None) -> torch.optim.lr_scheduler.LambdaLR | None:
+    def __call__(
+        self, optimizer: torch.optim.Optimizer, total_steps: int | None = None
+    ) -> torch.optim.lr_scheduler.LambdaLR | None:
         """The scheduler; ``None`` when the rate never changes (constant, no warmup): nothing to step."""
         if self.decay == "constant" and self.warmup_steps == 0:
             return None

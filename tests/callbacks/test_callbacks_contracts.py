@@ -96,11 +96,19 @@ class Stream(IterableDataset):
             yield batch
         if dm.record_history:
             iteration = len(dm.history)
-            dm.history.append(dm.make_record(
-                version=dm.opened[-1] if dm.opened else iteration, requested_at=requested, completed_at=time.monotonic(),
-                completions=COMPLETIONS, completion_tokens=COMPLETIONS * TOKENS_PER_COMPLETION,
-                reward_sum=float(iteration + 1), prompts_drawn=2, dropped_groups=iteration % 2, gen_intervals=gen,
-            ))
+            dm.history.append(
+                dm.make_record(
+                    version=dm.opened[-1] if dm.opened else iteration,
+                    requested_at=requested,
+                    completed_at=time.monotonic(),
+                    completions=COMPLETIONS,
+                    completion_tokens=COMPLETIONS * TOKENS_PER_COMPLETION,
+                    reward_sum=float(iteration + 1),
+                    prompts_drawn=2,
+                    dropped_groups=iteration % 2,
+                    gen_intervals=gen,
+                )
+            )
 
 
 class ForeignData(LightningDataModule):
@@ -145,7 +153,11 @@ class PolicyModel(LightningModule):
 
     def __init__(self, policy: torch.nn.Module | None = None, log: list | None = None) -> None:
         super().__init__()
-        self.policy = policy if policy is not None else torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1))
+        self.policy = (
+            policy
+            if policy is not None
+            else torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1))
+        )
         self.train_intervals: list[tuple[float, float]] = []
         self.log_ = log if log is not None else []
         self.at_epoch_start: dict[int, dict[str, torch.Tensor]] = {}
@@ -206,8 +218,15 @@ def tiny_qwen2(seed: int = 0):
     import transformers
 
     torch.manual_seed(seed)
-    config = transformers.Qwen2Config(vocab_size=32, hidden_size=8, intermediate_size=16, num_hidden_layers=1,
-                                      num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=16)
+    config = transformers.Qwen2Config(
+        vocab_size=32,
+        hidden_size=8,
+        intermediate_size=16,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=16,
+    )
     return transformers.Qwen2ForCausalLM(config)
 
 
@@ -216,10 +235,20 @@ class QwenModel(PolicyModel):
         return self.policy(inputs_embeds=batch[:, None, :]).logits.pow(2).mean()
 
 
-def fit(model, data=None, callbacks=(), epochs: int = 3, root: Path | None = None, ckpt_path=None, **kwargs) -> lightning.Trainer:
-    options = dict(accelerator="cpu", max_epochs=epochs, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                   enable_model_summary=False, num_sanity_val_steps=0, callbacks=list(callbacks),
-                   default_root_dir=str(root) if root else None)
+def fit(
+    model, data=None, callbacks=(), epochs: int = 3, root: Path | None = None, ckpt_path=None, **kwargs
+) -> lightning.Trainer:
+    options = dict(
+        accelerator="cpu",
+        max_epochs=epochs,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        callbacks=list(callbacks),
+        default_root_dir=str(root) if root else None,
+    )
     trainer = lightning.Trainer(**{**options, **kwargs})
     trainer.fit(model, datamodule=data, ckpt_path=ckpt_path)
     return trainer
@@ -232,7 +261,14 @@ def checkpointed_then_resumed(tmp_path, first: list, then: list, epochs: int) ->
     from lightning.pytorch.callbacks import ModelCheckpoint
 
     checkpoints = ModelCheckpoint(dirpath=tmp_path / "ckpt", save_last=True, every_n_epochs=1)
-    fit(PolicyModel(), ForeignData(FakePool()), [*first, checkpoints], epochs=2, root=tmp_path, enable_checkpointing=True)
+    fit(
+        PolicyModel(),
+        ForeignData(FakePool()),
+        [*first, checkpoints],
+        epochs=2,
+        root=tmp_path,
+        enable_checkpointing=True,
+    )
     data = ForeignData(FakePool())
     fit(PolicyModel(), data, then, epochs=epochs, root=tmp_path, ckpt_path=tmp_path / "ckpt" / "last.ckpt")
     return data
@@ -270,7 +306,7 @@ def test_weight_sync_buckets_respect_bucket_bytes_and_name_every_parameter_once(
     for bucket_bytes, layout in expected.items():
         pool = FakePool()
         fit(PolicyModel(), ForeignData(pool), [WeightSync(bucket_bytes=bucket_bytes)], epochs=1)
-        (version, buckets), = pool.received
+        ((version, buckets),) = pool.received
         assert [[name for name, _ in bucket] for bucket in buckets] == layout, bucket_bytes
         assert [name for bucket in buckets for name, _ in bucket] == names  # every parameter, once, in order
         for bucket, following in zip(buckets, buckets[1:] + [None]):
@@ -319,13 +355,20 @@ def test_weight_sync_override_policy_tensors_needs_no_policy_attribute():
 
     pool = FakePool()
     fit(NoPolicyModel(), ForeignData(pool), [BodySync()], epochs=1)
-    (_, buckets), = pool.received
-    assert [name for bucket in buckets for name, _ in bucket] == ["body.0.weight", "body.0.bias", "body.2.weight", "body.2.bias"]
+    ((_, buckets),) = pool.received
+    assert [name for bucket in buckets for name, _ in bucket] == [
+        "body.0.weight",
+        "body.0.bias",
+        "body.2.weight",
+        "body.2.bias",
+    ]
 
 
 def test_weight_sync_fails_at_fit_start_without_a_pool():
     model = PolicyModel()
-    with pytest.raises(TypeError, match=r"ForeignData has no `pool`.*WeightSync\(pool=\.\.\.\).*lit_parl\.RolloutDataModule"):
+    with pytest.raises(
+        TypeError, match=r"ForeignData has no `pool`.*WeightSync\(pool=\.\.\.\).*lit_parl\.RolloutDataModule"
+    ):
         data = ForeignData(None)
         del data.pool
         fit(model, data, [WeightSync()])
@@ -341,8 +384,11 @@ def test_weight_sync_fails_at_fit_start_with_a_pool_that_cannot_take_weights():
         pass
 
     model = PolicyModel()
-    with pytest.raises(TypeError, match=r"WeightSync needs the datamodule to satisfy lit_parl\.callbacks\.HasRolloutPool, "
-                                        r"but ForeignData has no `pool\.sync_weights`.*WeightSync\(pool=\.\.\.\)"):
+    with pytest.raises(
+        TypeError,
+        match=r"WeightSync needs the datamodule to satisfy lit_parl\.callbacks\.HasRolloutPool, "
+        r"but ForeignData has no `pool\.sync_weights`.*WeightSync\(pool=\.\.\.\)",
+    ):
         fit(model, ForeignData(NotAPool()), [WeightSync()])
     with pytest.raises(TypeError, match=r"its `pool` argument.*NotAPool has no `sync_weights`"):
         WeightSync(pool=NotAPool())  # given directly: refused at once
@@ -353,8 +399,11 @@ def test_weight_sync_fails_at_fit_start_with_a_pool_that_cannot_take_weights():
 
 def test_weight_sync_fails_at_fit_start_without_a_policy():
     pool, model = FakePool(), NoPolicyModel()
-    with pytest.raises(TypeError, match=r"WeightSync needs the LightningModule to satisfy lit_parl\.callbacks\.HasPolicy, "
-                                        r"but NoPolicyModel has no `policy`\..*self\.policy.*override `policy_tensors`"):
+    with pytest.raises(
+        TypeError,
+        match=r"WeightSync needs the LightningModule to satisfy lit_parl\.callbacks\.HasPolicy, "
+        r"but NoPolicyModel has no `policy`\..*self\.policy.*override `policy_tensors`",
+    ):
         fit(model, ForeignData(pool), [WeightSync()])
     model = NoPolicyModel()
     model.policy = "not a module"
@@ -396,8 +445,11 @@ def test_run_summary_totals_survive_a_checkpoint(tmp_path):
 
 def test_run_summary_fails_at_fit_start_without_history_or_intervals():
     model = PolicyModel()
-    with pytest.raises(TypeError, match=r"RunSummary needs the datamodule to satisfy lit_parl\.callbacks\.IterationHistory, "
-                                        r"but NoHistoryData has no `history`\. .*append one record per iteration"):
+    with pytest.raises(
+        TypeError,
+        match=r"RunSummary needs the datamodule to satisfy lit_parl\.callbacks\.IterationHistory, "
+        r"but NoHistoryData has no `history`\. .*append one record per iteration",
+    ):
         fit(model, NoHistoryData(FakePool()), [WeightSync(), RunSummary()])
     assert model.log_ == []
     model = SelfFedModel()
@@ -405,8 +457,11 @@ def test_run_summary_fails_at_fit_start_without_history_or_intervals():
         fit(model, None, [RunSummary()])
     assert model.log_ == []
     model = NoIntervalsModel()
-    with pytest.raises(TypeError, match=r"RunSummary needs the LightningModule to satisfy lit_parl\.callbacks\.TrainIntervals, "
-                                        r"but NoIntervalsModel has no `train_intervals`\. .*time\.monotonic"):
+    with pytest.raises(
+        TypeError,
+        match=r"RunSummary needs the LightningModule to satisfy lit_parl\.callbacks\.TrainIntervals, "
+        r"but NoIntervalsModel has no `train_intervals`\. .*time\.monotonic",
+    ):
         fit(model, ForeignData(FakePool()), [WeightSync(), RunSummary()])
     assert model.log_ == []
 
@@ -419,9 +474,12 @@ def test_run_summary_refuses_records_without_the_fields():
 
     data = ForeignData(FakePool())
     data.make_record = lambda **fields: ShortRecord(fields["version"], fields["completions"])
-    with pytest.raises(TypeError, match=r"each record of the datamodule's `history`.*ShortRecord has no `requested_at`, "
-                                        r"`completed_at`, `completion_tokens`, `reward_sum`, `prompts_drawn`, `dropped_groups`, `gen_intervals`, "
-                                        r"`reward_mean`, `gen_busy_s`\. Append records"):
+    with pytest.raises(
+        TypeError,
+        match=r"each record of the datamodule's `history`.*ShortRecord has no `requested_at`, "
+        r"`completed_at`, `completion_tokens`, `reward_sum`, `prompts_drawn`, `dropped_groups`, `gen_intervals`, "
+        r"`reward_mean`, `gen_busy_s`\. Append records",
+    ):
         fit(PolicyModel(), data, [WeightSync(), RunSummary()], epochs=1)
 
 
@@ -458,7 +516,9 @@ def test_pipeline_timeline_writes_json_and_png(tmp_path):
 
 def test_pipeline_timeline_without_a_sync_callback_has_no_sync_row(tmp_path):
     timeline = PipelineTimeline(dirpath=str(tmp_path))
-    fit(PolicyModel(), ForeignData(FakePool()), [timeline], epochs=2)  # no WeightSync: the datamodule has no gate to open
+    fit(
+        PolicyModel(), ForeignData(FakePool()), [timeline], epochs=2
+    )  # no WeightSync: the datamodule has no gate to open
     iterations = load_timeline(tmp_path / "timeline.jsonl")
     assert len(iterations) == 2 and all(it["sync"] == [] for it in iterations)
     assert (tmp_path / "timeline.png").exists()
@@ -474,15 +534,24 @@ def test_pipeline_timeline_continues_after_a_resume(tmp_path):
 
 def test_pipeline_timeline_fails_at_fit_start_when_a_contract_is_not_met():
     model = PolicyModel()
-    with pytest.raises(TypeError, match=r"PipelineTimeline needs the datamodule to satisfy lit_parl\.callbacks\.IterationHistory, "
-                                        r"but NoHistoryData has no `history`"):
+    with pytest.raises(
+        TypeError,
+        match=r"PipelineTimeline needs the datamodule to satisfy lit_parl\.callbacks\.IterationHistory, "
+        r"but NoHistoryData has no `history`",
+    ):
         fit(model, NoHistoryData(FakePool()), [WeightSync(), PipelineTimeline()])
     assert model.log_ == []
     model = NoIntervalsModel()
-    with pytest.raises(TypeError, match=r"PipelineTimeline needs the LightningModule.*NoIntervalsModel has no `train_intervals`"):
+    with pytest.raises(
+        TypeError, match=r"PipelineTimeline needs the LightningModule.*NoIntervalsModel has no `train_intervals`"
+    ):
         fit(model, ForeignData(FakePool()), [WeightSync(), PipelineTimeline()])
     with pytest.raises(ValueError, match=r"2 callbacks have `sync_intervals`: WeightSync, WeightSync\. Keep one"):
-        fit(model := PolicyModel(), ForeignData(FakePool()), [WeightSync(), WeightSync(pool=FakePool()), PipelineTimeline()])
+        fit(
+            model := PolicyModel(),
+            ForeignData(FakePool()),
+            [WeightSync(), WeightSync(pool=FakePool()), PipelineTimeline()],
+        )
     assert model.log_ == []
 
 
@@ -524,9 +593,13 @@ def test_hf_export_every_n_iterations_saves_each_iterations_policy(tmp_path):
     fit(QwenModel(policy=tiny_qwen2()), ForeignData(FakePool()), [WeightSync(), snapshots, export], epochs=5)
     assert sorted(p.name for p in (tmp_path / "export").iterdir() if p.is_dir()) == ["iteration-2", "iteration-4"]
     for done in (2, 4):
-        loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "export" / f"iteration-{done}").state_dict()
+        loaded = transformers.AutoModelForCausalLM.from_pretrained(
+            tmp_path / "export" / f"iteration-{done}"
+        ).state_dict()
         assert all(torch.equal(loaded[k], v) for k, v in snapshots.after[done].items()), done
-    assert not all(torch.equal(snapshots.after[2][k], v) for k, v in snapshots.after[4].items()), "the policy did not move"
+    assert not all(torch.equal(snapshots.after[2][k], v) for k, v in snapshots.after[4].items()), (
+        "the policy did not move"
+    )
     assert export.saved_to == tmp_path / "export" and (tmp_path / "export" / "model.safetensors").exists()
     with pytest.raises(ValueError, match="every_n_iterations=-1"):
         HFExport(every_n_iterations=-1)
@@ -534,8 +607,11 @@ def test_hf_export_every_n_iterations_saves_each_iterations_policy(tmp_path):
 
 def test_hf_export_fails_at_fit_start_when_the_policy_cannot_be_saved():
     model = PolicyModel()  # a torch.nn.Sequential policy: no save_pretrained
-    with pytest.raises(TypeError, match=r"HFExport needs the module's `policy` to satisfy lit_parl\.callbacks\.SavesPretrained, "
-                                        r"but Sequential has no `save_pretrained`\. Keep a transformers PreTrainedModel"):
+    with pytest.raises(
+        TypeError,
+        match=r"HFExport needs the module's `policy` to satisfy lit_parl\.callbacks\.SavesPretrained, "
+        r"but Sequential has no `save_pretrained`\. Keep a transformers PreTrainedModel",
+    ):
         fit(model, PlainData(), [HFExport()])
     with pytest.raises(TypeError, match=r"HFExport needs the LightningModule.*NoPolicyModel has no `policy`"):
         fit(NoPolicyModel(log=model.log_), PlainData(), [HFExport()])
@@ -555,8 +631,16 @@ def test_contract_problems_reads_like_lightning_objects_are_built():
     pool.sync_weights = None
     assert contract_problems(ForeignData(pool), HasRolloutPool) == ["has `pool.sync_weights` that is not callable"]
     # numbers are duck-typed: ints where floats are declared are fine
-    record = Record(version=0, requested_at=0, completed_at=1, completions=8, completion_tokens=40, reward_sum=3,
-                    prompts_drawn=2, dropped_groups=0)
+    record = Record(
+        version=0,
+        requested_at=0,
+        completed_at=1,
+        completions=8,
+        completion_tokens=40,
+        reward_sum=3,
+        prompts_drawn=2,
+        dropped_groups=0,
+    )
     assert contract_problems(record, IterationRecord) == []
     record.gen_intervals = None
     assert contract_problems(record, IterationRecord) == [

@@ -12,7 +12,6 @@ import torch
 from lightning.pytorch import Callback
 
 from helpers.components import BatchRecorder, fit, make_components, policy_state, sgd
-
 from helpers.pools import InProcessPool, WrappedPool
 from lit_parl.callbacks import WeightSync
 from lit_parl.data.head_start import HeadStart
@@ -101,7 +100,11 @@ class StopAfterEpoch(Callback):
 
 @pytest.mark.parametrize("inner", ["in-process", "workers"])
 def test_an_iteration_started_for_a_fit_that_then_stops_is_discarded_unbooked(inner):
-    pool = TimedPool(InProcessPool() if inner == "in-process" else HFRolloutPool(num_workers=1, threads_per_worker=1, colocated_threads=1))
+    pool = TimedPool(
+        InProcessPool()
+        if inner == "in-process"
+        else HFRolloutPool(num_workers=1, threads_per_worker=1, colocated_threads=1)
+    )
     module, data = make_components(pool=pool, prompts=2, group_size=2, micro_batch_size=4)
     fit(module, data, iterations=5, callbacks=[StopAfterEpoch(1)])
     assert sorted(pool.times("sync_start")) == [0, 1, 2]  # θ_2 went out at epoch 1's end, before the stop

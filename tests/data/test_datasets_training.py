@@ -11,7 +11,6 @@ import pytest
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 from helpers.components import BatchRecorder, make_components
-
 from helpers.pools import InProcessPool
 from lit_parl.callbacks import WeightSync
 from lit_parl.prompts.dataset_prompts import DatasetPrompts
@@ -39,17 +38,27 @@ def level_bonus(metadata, completion_ids):
 
 def components(path, **kwargs):
     return make_components(
-        pool=InProcessPool(), prompts=4, group_size=2, micro_batch_size=8,
+        pool=InProcessPool(),
+        prompts=4,
+        group_size=2,
+        micro_batch_size=8,
         task=DatasetPrompts(path=str(path), cache_dir=str(path.parent / "cache")),
-        rewards=[Reward(exact_text), Reward(level_bonus, weight=0.5)], **kwargs,
+        rewards=[Reward(exact_text), Reward(level_bonus, weight=0.5)],
+        **kwargs,
     )
 
 
 def fit(module, data, iterations, callbacks=(), ckpt_path=None, root=None):
     trainer = lightning.Trainer(
-        accelerator="cpu", max_epochs=iterations, callbacks=[WeightSync(), *callbacks], logger=False,
-        enable_checkpointing=any(isinstance(c, ModelCheckpoint) for c in callbacks), enable_progress_bar=False,
-        enable_model_summary=False, num_sanity_val_steps=0, default_root_dir=root,
+        accelerator="cpu",
+        max_epochs=iterations,
+        callbacks=[WeightSync(), *callbacks],
+        logger=False,
+        enable_checkpointing=any(isinstance(c, ModelCheckpoint) for c in callbacks),
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        default_root_dir=root,
     )
     trainer.fit(module, datamodule=data, ckpt_path=ckpt_path)
     return trainer
@@ -70,7 +79,9 @@ def test_a_dataset_trains_with_text_rewards_reading_every_row_once_per_epoch(tmp
     batch = recorder.batches[0][1]
     t = batch.trajectories[0]
     row = ROWS[data.schedule.row_index(t.prompt_id)]
-    expected = float(t.truncated is False and data.tokenizer.decode(t.completion_tokens, skip_special_tokens=True) == row["answer"])
+    expected = float(
+        t.truncated is False and data.tokenizer.decode(t.completion_tokens, skip_special_tokens=True) == row["answer"]
+    )
     expected += 0.5 * (row["level"] / 10 + float(len(t.completion_tokens) <= 3))
     assert t.reward == pytest.approx(expected)
     assert set(t.reward_components) == {"exact_text", "level_bonus/level", "level_bonus/short"}
@@ -84,9 +95,15 @@ def test_a_resumed_run_draws_exactly_the_rows_it_had_not_trained(tmp_path):
     def run(iterations, ckpt_path=None, checkpoint_dir=None):
         module, data = components(path)
         recorder = BatchRecorder()
-        callbacks = [recorder] + ([ModelCheckpoint(dirpath=checkpoint_dir, every_n_epochs=1, save_last=True)] if checkpoint_dir else [])
+        callbacks = [recorder] + (
+            [ModelCheckpoint(dirpath=checkpoint_dir, every_n_epochs=1, save_last=True)] if checkpoint_dir else []
+        )
         fit(module, data, iterations, callbacks, ckpt_path=ckpt_path, root=tmp_path)
-        return [(epoch, data.schedule.row_index(t.prompt_id), t.prompt_id) for epoch, batch in recorder.batches for t in batch.trajectories[::2]]
+        return [
+            (epoch, data.schedule.row_index(t.prompt_id), t.prompt_id)
+            for epoch, batch in recorder.batches
+            for t in batch.trajectories[::2]
+        ]
 
     straight = run(3)
     first = run(1, checkpoint_dir=tmp_path / "ckpt")
@@ -112,13 +129,24 @@ def test_dropped_prompts_are_counted_in_the_log(tmp_path):
     (tmp_path / "train.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
     with pytest.warns(UserWarning, match=r"dropped 1 of 7 prompts longer than 30 tokens \(rows 6\)"):
         module, data = make_components(
-            pool=InProcessPool(), prompts=4, group_size=2, micro_batch_size=8,
-            task=DatasetPrompts(path=str(tmp_path / "train.jsonl"), cache_dir=str(tmp_path / "cache")), rewards=[Reward(exact_text)],
+            pool=InProcessPool(),
+            prompts=4,
+            group_size=2,
+            micro_batch_size=8,
+            task=DatasetPrompts(path=str(tmp_path / "train.jsonl"), cache_dir=str(tmp_path / "cache")),
+            rewards=[Reward(exact_text)],
             datamodule_kwargs={"prompt_format": {"max_prompt_tokens": 30, "overlong": "drop"}},
         )
     logger = CSVLogger(tmp_path, name="log", version=0)
-    lightning.Trainer(accelerator="cpu", max_epochs=1, callbacks=[WeightSync()], logger=logger, enable_checkpointing=False,
-                      enable_progress_bar=False, enable_model_summary=False).fit(module, datamodule=data)
+    lightning.Trainer(
+        accelerator="cpu",
+        max_epochs=1,
+        callbacks=[WeightSync()],
+        logger=logger,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    ).fit(module, datamodule=data)
     header, *lines = (tmp_path / "log" / "version_0" / "metrics.csv").read_text().splitlines()
     column = header.split(",").index("data/dropped_prompts")
     assert [line.split(",")[column] for line in lines if line.split(",")[column]] == ["1.0"]

@@ -4,13 +4,11 @@ training data; the metrics are what their definitions say."""
 
 from __future__ import annotations
 
-import lightning
 import pytest
 import torch
 from lightning.pytorch import Callback
 
 from helpers.components import BatchRecorder, fit, make_components, policy_state, sgd
-
 from helpers.pools import InProcessPool, WrappedPool
 from lit_parl.data.evaluator import EvalSettings
 from lit_parl.rewards import Reward
@@ -31,7 +29,15 @@ class RecordingPool(WrappedPool):
         super()._sync_weights(buckets, version)
 
     def _generate(self, requests, sampling):
-        self.calls.append((self.inner.version, {r.version for r in requests}, requests[0].group_size, sampling.temperature, [r.prompt_id for r in requests]))
+        self.calls.append(
+            (
+                self.inner.version,
+                {r.version for r in requests},
+                requests[0].group_size,
+                sampling.temperature,
+                [r.prompt_id for r in requests],
+            )
+        )
         self.groups_per_call.append([])
         for group in super()._generate(requests, sampling):
             self.groups_per_call[-1].append(group)
@@ -53,7 +59,9 @@ EVAL = {"evaluation": EvalSettings(every_n_iterations=2, prompts=6, samples=3)}
 
 def test_evaluation_runs_on_the_iterations_weights_and_never_touches_training():
     pool = RecordingPool(InProcessPool())
-    module, data = make_components(pool=pool, prompts=4, group_size=4, micro_batch_size=8, datamodule_kwargs=EVAL, **sgd(0.5))
+    module, data = make_components(
+        pool=pool, prompts=4, group_size=4, micro_batch_size=8, datamodule_kwargs=EVAL, **sgd(0.5)
+    )
     recorder, metrics = BatchRecorder(), ValidationMetrics()
     fit(module, data, iterations=3, callbacks=[recorder, metrics])
 
@@ -62,7 +70,12 @@ def test_evaluation_runs_on_the_iterations_weights_and_never_touches_training():
     # after iterations 1 (every 2nd) and 2 (the last): greedy (1 sample, T=0) then k=3 at the training temperature,
     # in calls of at most the iteration's N x G = 16 samples (6 prompts x 3 samples: 5 prompts, then 1)
     assert [(held, versions, size, temperature, len(ids)) for held, versions, size, temperature, ids in evals] == [
-        (1, {1}, 1, 0.0, 6), (1, {1}, 3, 1.0, 5), (1, {1}, 3, 1.0, 1), (2, {2}, 1, 0.0, 6), (2, {2}, 3, 1.0, 5), (2, {2}, 3, 1.0, 1)
+        (1, {1}, 1, 0.0, 6),
+        (1, {1}, 3, 1.0, 5),
+        (1, {1}, 3, 1.0, 1),
+        (2, {2}, 1, 0.0, 6),
+        (2, {2}, 3, 1.0, 5),
+        (2, {2}, 3, 1.0, 1),
     ]
     assert sorted(evals[1][4] + evals[2][4]) == sorted(evals[0][4])  # the same held-out prompts in both passes
     assert sorted(metrics.by_epoch) == [1, 2]
@@ -71,7 +84,9 @@ def test_evaluation_runs_on_the_iterations_weights_and_never_touches_training():
     assert float(trainer_metrics["val/greedy_accuracy"]) == pytest.approx(metrics.by_epoch[2]["val/greedy_accuracy"])
 
     # the same run without evaluation trains the same batches to the same weights
-    plain_module, plain_data = make_components(pool=InProcessPool(), prompts=4, group_size=4, micro_batch_size=8, **sgd(0.5))
+    plain_module, plain_data = make_components(
+        pool=InProcessPool(), prompts=4, group_size=4, micro_batch_size=8, **sgd(0.5)
+    )
     plain_recorder = BatchRecorder()
     fit(plain_module, plain_data, iterations=3, callbacks=[plain_recorder])
     assert recorder.samples() == plain_recorder.samples()
@@ -118,7 +133,9 @@ class StopAt(Callback):
             trainer.should_stop = True
 
 
-@pytest.mark.parametrize("stop_batch, evaluated", [(0, [0]), (1, [1])], ids=["mid-iteration", "after-its-last-micro-batch"])
+@pytest.mark.parametrize(
+    "stop_batch, evaluated", [(0, [0]), (1, [1])], ids=["mid-iteration", "after-its-last-micro-batch"]
+)
 def test_a_stopped_fit_evaluates_only_finished_iterations_and_its_last_one(stop_batch, evaluated):
     """Lightning validates at once when a fit is stopped: mid-iteration there is nothing to evaluate (the pool
     may hold the next version); after an iteration's last micro-batch it is the run's last evaluation."""
@@ -134,12 +151,22 @@ def test_bad_evaluation_settings_name_the_setting():
     with pytest.raises(ValueError, match="evaluation.prompts is needed with a procedural task"):
         make_components(pool=InProcessPool(), datamodule_kwargs={"evaluation": {"every_n_iterations": 1}})
     with pytest.raises(ValueError, match="no held-out prompts"):
-        make_components(pool=InProcessPool(), datamodule_kwargs={"evaluation": {"every_n_iterations": 1, "prompts": 4}, "eval_data": None,
-                                                                  }, task=_NoEvalTask())
+        make_components(
+            pool=InProcessPool(),
+            datamodule_kwargs={
+                "evaluation": {"every_n_iterations": 1, "prompts": 4},
+                "eval_data": None,
+            },
+            task=_NoEvalTask(),
+        )
     with pytest.raises(ValueError, match=r"evaluation needs samples >= 1 or greedy=true"):
         EvalSettings(every_n_iterations=1, samples=0, greedy=False)
     with pytest.raises(ValueError, match=r"evaluation.prompts=10 is more than the 6 rows of the eval set"):
-        make_components(pool=InProcessPool(), task=_ListTask(), datamodule_kwargs={"evaluation": {"every_n_iterations": 1, "prompts": 10}})
+        make_components(
+            pool=InProcessPool(),
+            task=_ListTask(),
+            datamodule_kwargs={"evaluation": {"every_n_iterations": 1, "prompts": 10}},
+        )
     with pytest.raises(ValueError, match=r"sampling.temperature=0 \(greedy\) cannot train"):
         make_components(pool=InProcessPool(), datamodule_kwargs={"sampling": {"temperature": 0.0}})
 

@@ -7,8 +7,8 @@ import copy
 
 import pytest
 import torch
-from helpers.sampling_references import completion_logprobs_reference
 
+from helpers.sampling_references import completion_logprobs_reference
 from lit_parl import GRPOModule, GRPOObjective, IterationShape
 from lit_parl.data.micro_batch import Trajectory, collate
 
@@ -20,7 +20,12 @@ def _ids(tok, text: str) -> tuple[int, ...]:
 
 
 def _trajectories(tok):
-    rows = [("3917=", [4, 12, 9, 1], 0.8), ("5=", [7, 1], -0.5), ("804213=", [3, 3, 3, 5, 6, 8], 0.1), ("12=", [1], -0.4)]
+    rows = [
+        ("3917=", [4, 12, 9, 1], 0.8),
+        ("5=", [7, 1], -0.5),
+        ("804213=", [3, 3, 3, 5, 6, 8], 0.1),
+        ("12=", [1], -0.4),
+    ]
     trajectories = []
     for i, (prompt, completion, advantage) in enumerate(rows):
         trajectories.append(
@@ -61,7 +66,9 @@ def test_collate_layout(tok, packing):
         assert flat_inputs[positions[0]] == t.prompt_tokens[-1]
         assert flat_inputs[positions[1:]].tolist() == t.completion_tokens[:-1]
         assert batch.completion_mask[i].tolist() == [j < len(t.completion_tokens) for j in range(width)]
-        torch.testing.assert_close(batch.rollout_logprobs[i, : len(t.completion_tokens)], torch.tensor(t.rollout_logprobs))
+        torch.testing.assert_close(
+            batch.rollout_logprobs[i, : len(t.completion_tokens)], torch.tensor(t.rollout_logprobs)
+        )
         assert torch.all(batch.rollout_logprobs[i][~batch.completion_mask[i]] == 0)
     if packing == "padded":
         assert tokens.attention is None and tokens.input_ids.shape[0] == 5
@@ -70,7 +77,9 @@ def test_collate_layout(tok, packing):
             assert tokens.input_ids[i, : len(row)].tolist() == row
     else:  # prompt 10 appears once for its two samples
         assert tokens.input_ids.shape[0] == 1
-        assert tokens.tokens_computed == sum(len(t.prompt_tokens) for t in trajectories[:4]) + sum(len(t.completion_tokens) - 1 for t in ordered)
+        assert tokens.tokens_computed == sum(len(t.prompt_tokens) for t in trajectories[:4]) + sum(
+            len(t.completion_tokens) - 1 for t in ordered
+        )
     torch.testing.assert_close(batch.advantages, torch.tensor([t.advantage for t in ordered]))
     torch.testing.assert_close(batch.rewards, torch.tensor([t.reward for t in ordered]))
     assert batch.truncated.tolist() == [t.truncated for t in ordered]
@@ -97,7 +106,9 @@ def test_module_completion_logprobs_match_plain_forward(model, tok, temperature,
     assert logp.shape == batch.completion_mask.shape
     for i, t in enumerate(trajectories):
         expected = completion_logprobs_reference(model, t.prompt_tokens, t.completion_tokens, temperature)
-        torch.testing.assert_close(logp[i][batch.completion_mask[i]].double(), torch.tensor(expected, dtype=torch.float64), atol=1e-5, rtol=0)
+        torch.testing.assert_close(
+            logp[i][batch.completion_mask[i]].double(), torch.tensor(expected, dtype=torch.float64), atol=1e-5, rtol=0
+        )
 
 
 def test_micro_batch_transfer_skips_the_walk_on_its_own_device_and_moves_everything_otherwise(model, tok):

@@ -9,11 +9,10 @@ import pytest
 import torch
 from lightning.pytorch import Callback
 
+from helpers.components import fit, make_components, policy_state
 from lit_parl import GRPOObjective
 from lit_parl.rollout import HFRolloutPool
 from lit_parl.tasks import CopyTask
-
-from helpers.components import fit, make_components, policy_state
 
 
 def _prefetch_threads() -> list[threading.Thread]:
@@ -32,7 +31,15 @@ class Recorder(Callback):
         self.batches = []
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
-        self.batches.append((trainer.current_epoch, batch.pass_index, batch.sample_offset, list(batch.prompt_ids), batch.tokens.input_ids.clone()))
+        self.batches.append(
+            (
+                trainer.current_epoch,
+                batch.pass_index,
+                batch.sample_offset,
+                list(batch.prompt_ids),
+                batch.tokens.input_ids.clone(),
+            )
+        )
 
 
 def test_prefetch_trains_bit_identical_weights_on_the_same_micro_batches():
@@ -109,7 +116,9 @@ def test_a_failing_step_stops_the_prefetch_thread_while_it_waits_for_groups(scor
     thread itself, or on the scorer's threads); the failed fit closes the pool and the scorer, and the
     thread must end then, not poll for the response timeout."""
     pool = HFRolloutPool(num_workers=1, threads_per_worker=1, prompts_per_request=1, colocated_threads=1)
-    module, data = make_components(pool=pool, prompts=4, group_size=4, micro_batch_size=4, task=SlowAfterFirstGroupTask(4))
+    module, data = make_components(
+        pool=pool, prompts=4, group_size=4, micro_batch_size=4, task=SlowAfterFirstGroupTask(4)
+    )
     data.prefetch = True
     data.scorer.workers = score_workers
     with pytest.raises(RuntimeError, match="boom in the trainer"):

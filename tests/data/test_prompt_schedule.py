@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import pytest
 
-from lit_parl.prompts.prompt_format import PromptFormat
 from lit_parl.data.prompt_schedule import PromptSchedule
-from lit_parl.prompts.prompt_row import PromptRow
 from lit_parl.models.char_tokenizer import build_char_tokenizer
+from lit_parl.prompts.prompt_format import PromptFormat
+from lit_parl.prompts.prompt_row import PromptRow
 
 TOKENIZER = build_char_tokenizer()
 CHAT_TEMPLATE = "{% for m in messages %}{{ m['role'][0] }}:{{ m['content'] }};{% endfor %}{% if add_generation_prompt %}a:{% endif %}"
@@ -66,8 +66,12 @@ def test_a_resumed_schedule_draws_exactly_the_prompts_not_yet_trained():
     other = PromptSchedule(ListSource([f"{i}=" for i in range(8)]), TOKENIZER, group_size=2, seed=3)
     with pytest.raises(ValueError, match="checkpoint's data had 7 usable prompt rows, this run's has 8"):
         other.load_state_dict(first.state_dict())
-    for changed in (PromptSchedule(ListSource([f"{i}=" for i in range(1, 8)]), TOKENIZER, group_size=2, seed=3),  # same count, other rows
-                    PromptSchedule(source, TOKENIZER, group_size=2, seed=4)):  # another seed: another order
+    for changed in (
+        PromptSchedule(
+            ListSource([f"{i}=" for i in range(1, 8)]), TOKENIZER, group_size=2, seed=3
+        ),  # same count, other rows
+        PromptSchedule(source, TOKENIZER, group_size=2, seed=4),
+    ):  # another seed: another order
         with pytest.raises(ValueError, match="checkpoint's data had other prompt rows"):
             changed.load_state_dict(first.state_dict())
 
@@ -77,11 +81,15 @@ def test_overlong_prompts_are_refused_or_dropped_by_name():
     with pytest.raises(ValueError, match=r"row 1: the prompt has 8 tokens, more than the limit of 4.*overlong=drop"):
         PromptSchedule(source, TOKENIZER, group_size=2, prompt_format=PromptFormat(max_prompt_tokens=4), token_limit=4)
     with pytest.warns(UserWarning, match=r"dropped 1 of 3 prompts longer than 4 tokens \(rows 1\)"):
-        schedule = PromptSchedule(source, TOKENIZER, group_size=2, prompt_format=PromptFormat(overlong="drop"), token_limit=4)
+        schedule = PromptSchedule(
+            source, TOKENIZER, group_size=2, prompt_format=PromptFormat(overlong="drop"), token_limit=4
+        )
     assert schedule.dropped_rows == [1] and schedule.usable_rows == 2
     assert sorted(rows_of(schedule, range(4))) == [0, 0, 2, 2]
     with pytest.raises(ValueError, match="every one of the 1 prompts is longer"):
-        PromptSchedule(ListSource(["1234567="]), TOKENIZER, 2, prompt_format=PromptFormat(overlong="drop"), token_limit=4)
+        PromptSchedule(
+            ListSource(["1234567="]), TOKENIZER, 2, prompt_format=PromptFormat(overlong="drop"), token_limit=4
+        )
     assert PromptFormat(max_prompt_tokens=10).token_limit(context=16, max_new_tokens=8) == 8
 
 
@@ -106,7 +114,9 @@ def test_chat_rows_go_through_the_template_and_need_one():
     drawn = schedule.draw([0, 1], version=0)
     assert sorted(d.text for d in drawn.values()) == ["s:be brief;u:hi;a:", "s:be brief;u:yo;a:"]
     assert all(tokenizer.decode(d.request.prompt_tokens) == d.text for d in drawn.values())
-    raw_as_chat = PromptSchedule(ListSource(["hi"]), tokenizer, group_size=1, prompt_format=PromptFormat(chat=True, add_generation_prompt=False))
+    raw_as_chat = PromptSchedule(
+        ListSource(["hi"]), tokenizer, group_size=1, prompt_format=PromptFormat(chat=True, add_generation_prompt=False)
+    )
     assert raw_as_chat.draw([0], 0)[0].text == "u:hi;"
     with pytest.raises(ValueError, match="row 0 holds chat messages but the prompt format says chat=false"):
         PromptSchedule(source, tokenizer, group_size=2, prompt_format=PromptFormat(chat=False))

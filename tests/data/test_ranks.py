@@ -11,15 +11,19 @@ from types import SimpleNamespace
 import pytest
 from lightning.pytorch.accelerators import CPUAccelerator
 
-from lit_parl.data.rank_share import RankShare
-from lit_parl.data.iteration_shape import IterationShape
-
 from helpers.components import make_components
-
 from helpers.pools import InProcessPool
+from lit_parl.data.iteration_shape import IterationShape
+from lit_parl.data.rank_share import RankShare
 
 SHAPES = [  # (prompts, group_size, micro_batch_size, mini_batches, world)
-    (8, 4, 4, 2, 2), (16, 2, 2, 4, 2), (24, 2, 4, 2, 3), (32, 8, 16, 2, 4), (12, 2, 2, 3, 4), (64, 4, 8, 1, 8), (6, 2, 2, 1, 3),
+    (8, 4, 4, 2, 2),
+    (16, 2, 2, 4, 2),
+    (24, 2, 4, 2, 3),
+    (32, 8, 16, 2, 4),
+    (12, 2, 2, 3, 4),
+    (64, 4, 8, 1, 8),
+    (6, 2, 2, 1, 3),
 ]
 
 
@@ -38,7 +42,9 @@ def test_every_slot_is_trained_by_one_rank_in_its_own_step(prompts, group_size, 
         for step in range(mini_batches):
             taken = mine[step * part : (step + 1) * part]  # the local slots of this rank's step-th mini-batch
             assert all(slot // block == step for slot in taken), (rank, step, taken)
-            assert taken == list(range(taken[0], taken[0] + part)), f"rank {rank}'s part of block {step} is not contiguous"
+            assert taken == list(range(taken[0], taken[0] + part)), (
+                f"rank {rank}'s part of block {step} is not contiguous"
+            )
             assert taken[0] == step * block + rank * part, f"rank {rank}'s part of block {step} is out of rank order"
 
 
@@ -52,7 +58,15 @@ def test_a_rank_trains_the_share_of_its_global_rank():
     train global rank 1's slots; with the local rank it would train rank 0's, and half of every iteration never."""
     pool = InProcessPool()
     module, data = make_components(pool=pool, prompts=8, group_size=4, micro_batch_size=4, mini_batches=2)
-    data.trainer = SimpleNamespace(world_size=2, global_rank=1, local_rank=0, node_rank=1, accelerator=CPUAccelerator(), precision="32-true", loggers=[])
+    data.trainer = SimpleNamespace(
+        world_size=2,
+        global_rank=1,
+        local_rank=0,
+        node_rank=1,
+        accelerator=CPUAccelerator(),
+        precision="32-true",
+        loggers=[],
+    )
     data.setup("fit")
     try:
         pool.sync_weights([list(module.policy.named_parameters())], version=0)

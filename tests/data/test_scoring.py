@@ -9,12 +9,12 @@ import time
 
 import pytest
 
-from lit_parl.data.prompt_schedule import PromptSchedule
 from lit_parl.data.group_scorer import GroupScorer
-from lit_parl.rewards import Reward, RewardError
-from lit_parl.tasks import CopyTask, positional_reward
+from lit_parl.data.prompt_schedule import PromptSchedule
 from lit_parl.models.char_tokenizer import build_char_tokenizer
+from lit_parl.rewards import Reward, RewardError
 from lit_parl.rollout.records import GroupCompletions
+from lit_parl.tasks import CopyTask, positional_reward
 
 TOKENIZER = build_char_tokenizer()
 EOS = TOKENIZER.eos_token_id
@@ -29,7 +29,16 @@ def _completions(n: int) -> list[GroupCompletions]:
     out = []
     for i in range(n):
         answer = list(drawn[i].answer_ids)
-        out.append(GroupCompletions(i, 0, [0, 1], [[*answer, EOS], [answer[0], EOS]], [[-0.1] * (len(answer) + 1), [-0.2] * 2], ["stop", "stop"]))
+        out.append(
+            GroupCompletions(
+                i,
+                0,
+                [0, 1],
+                [[*answer, EOS], [answer[0], EOS]],
+                [[-0.1] * (len(answer) + 1), [-0.2] * 2],
+                ["stop", "stop"],
+            )
+        )
     return out
 
 
@@ -44,7 +53,10 @@ def failing(completion_ids):
 
 @pytest.mark.parametrize("workers", [1, 3])
 def test_threaded_scoring_gives_the_same_groups_as_inline(workers):
-    inline = {g.prompt_id: g for g in GroupScorer([positional_reward], TOKENIZER, workers=0).stream(iter(_completions(12)), _drawn(12))}
+    inline = {
+        g.prompt_id: g
+        for g in GroupScorer([positional_reward], TOKENIZER, workers=0).stream(iter(_completions(12)), _drawn(12))
+    }
     scorer = GroupScorer([positional_reward], TOKENIZER, workers=workers)
     threaded = {g.prompt_id: g for g in scorer.stream(iter(_completions(12)), _drawn(12))}
     scorer.close()
@@ -68,13 +80,18 @@ def test_with_threads_a_slow_reward_does_not_hold_up_reading_the_pool():
     scorer.close()
     assert first.prompt_id in (0, 1) and waited >= 0.25
     # every group was read from the pool while the first one was still being scored
-    assert len(pulled) == 4 and pulled[-1] - start < 0.2, f"the pool was read at {[round(p - start, 3) for p in pulled]} s"
+    assert len(pulled) == 4 and pulled[-1] - start < 0.2, (
+        f"the pool was read at {[round(p - start, 3) for p in pulled]} s"
+    )
 
 
 def test_a_failing_reward_is_raised_in_the_consumer():
     for workers in (0, 2):
         scorer = GroupScorer([failing], TOKENIZER, workers=workers)
-        with pytest.raises(RewardError, match=r"(?s)reward 'failing' raised ZeroDivisionError.*on prompt \d+, sample 0.*the verifier failed"):
+        with pytest.raises(
+            RewardError,
+            match=r"(?s)reward 'failing' raised ZeroDivisionError.*on prompt \d+, sample 0.*the verifier failed",
+        ):
             list(scorer.stream(iter(_completions(3)), _drawn(3)))
         scorer.close()
 
@@ -137,7 +154,12 @@ def test_text_is_decoded_only_for_rewards_that_read_it():
     assert "completion" not in inputs[0]  # nobody reads it: never decoded
     GroupScorer([reads_text], TOKENIZER).score(drawn[0], _completions(1)[0])
     row = drawn[0].row
-    assert seen[0] == (row.prompt, row.answer, True, row.answer)  # the completion is the answer + the end token, decoded without it
+    assert seen[0] == (
+        row.prompt,
+        row.answer,
+        True,
+        row.answer,
+    )  # the completion is the answer + the end token, decoded without it
 
 
 def test_a_reward_that_edits_its_inputs_changes_nothing_trained_or_shared():

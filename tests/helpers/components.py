@@ -8,7 +8,6 @@ import functools
 import lightning
 import torch
 from lightning.pytorch import Callback
-from lit_parl.callbacks import WeightSync
 
 from lit_parl import (
     GRPOModule,
@@ -17,6 +16,7 @@ from lit_parl import (
     RolloutDataModule,
     tiny_qwen2,
 )
+from lit_parl.callbacks import WeightSync
 from lit_parl.rewards import Reward
 from lit_parl.rollout import HFRolloutPool, RolloutPool
 from lit_parl.rollout.records import SamplingParams
@@ -47,7 +47,9 @@ def make_components(
     objective = objective or GRPOObjective()
     if lr is not None:
         module_kwargs["optimizer"] = functools.partial(torch.optim.AdamW, lr=lr, weight_decay=0.0)
-    module = GRPOModule(policy, objective, shape, tokenizer=tokenizer, temperature=SAMPLING.temperature, **module_kwargs)
+    module = GRPOModule(
+        policy, objective, shape, tokenizer=tokenizer, temperature=SAMPLING.temperature, **module_kwargs
+    )
     task = task or CopyTask(seed=seed)
     datamodule = RolloutDataModule(
         task,
@@ -57,12 +59,21 @@ def make_components(
         shape,
         objective,
         initial_model=policy,
-        **{"mode": mode, "sampling": SAMPLING, "seed": seed, "trainer_threads": trainer_threads, "gate_timeout_s": 60, **(datamodule_kwargs or {})},
+        **{
+            "mode": mode,
+            "sampling": SAMPLING,
+            "seed": seed,
+            "trainer_threads": trainer_threads,
+            "gate_timeout_s": 60,
+            **(datamodule_kwargs or {}),
+        },
     )
     return module, datamodule
 
 
-def fit(module, datamodule, iterations: int, callbacks=(), weight_sync: WeightSync | None = None, **trainer_kwargs) -> lightning.Trainer:
+def fit(
+    module, datamodule, iterations: int, callbacks=(), weight_sync: WeightSync | None = None, **trainer_kwargs
+) -> lightning.Trainer:
     """A CPU fit of ``iterations`` epochs with ``weight_sync`` (default: a plain ``WeightSync()``) first."""
     trainer = lightning.Trainer(
         accelerator="cpu",

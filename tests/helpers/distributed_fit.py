@@ -44,7 +44,10 @@ class RecordingPool(InProcessPool):
 
     def _start(self, spec):
         config = json.loads((Path(spec.model_dir) / "config.json").read_text())
-        self.initial_dir = {"files": sorted(p.name for p in Path(spec.model_dir).iterdir()), "architectures": config.get("architectures")}
+        self.initial_dir = {
+            "files": sorted(p.name for p in Path(spec.model_dir).iterdir()),
+            "architectures": config.get("architectures"),
+        }
         super()._start(spec)
 
     def _sync_weights(self, buckets, version):
@@ -103,8 +106,12 @@ class CPUFSDPStrategy(lightning.pytorch.strategies.FSDPStrategy):
         from torch.distributed.fsdp.wrap import enable_wrap
 
         with enable_wrap(
-            wrapper_cls=FullyShardedDataParallel, cpu_offload=self.cpu_offload, mixed_precision=self.mixed_precision_config,
-            sharding_strategy=self.sharding_strategy, device_id=torch.device("cpu"), **self.kwargs,
+            wrapper_cls=FullyShardedDataParallel,
+            cpu_offload=self.cpu_offload,
+            mixed_precision=self.mixed_precision_config,
+            sharding_strategy=self.sharding_strategy,
+            device_id=torch.device("cpu"),
+            **self.kwargs,
         ):
             yield
 
@@ -129,9 +136,13 @@ class CPUDeepSpeedStrategy(lightning.pytorch.strategies.DeepSpeedStrategy):
         import deepspeed
 
         engine, deepspeed_optimizer, _, _ = deepspeed.initialize(
-            args=argparse.Namespace(device_rank=self.local_rank), config=self.config, model=model,
-            model_parameters=[p for p in model.parameters() if p.requires_grad], optimizer=optimizer,
-            lr_scheduler=lr_scheduler, dist_init_required=False,
+            args=argparse.Namespace(device_rank=self.local_rank),
+            config=self.config,
+            model=model,
+            model_parameters=[p for p in model.parameters() if p.requires_grad],
+            optimizer=optimizer,
+            lr_scheduler=lr_scheduler,
+            dist_init_required=False,
         )
         return engine, deepspeed_optimizer
 
@@ -151,7 +162,11 @@ def strategy(name: str, devices: int, accelerator: str):
         os.environ["DS_ACCELERATOR"] = "cpu"  # what DeepSpeed would pick without a GPU, said rather than guessed
         return CPUDeepSpeedStrategy(stage=stage, process_group_backend="gloo")
     if name == "fsdp":
-        return lightning.pytorch.strategies.FSDPStrategy() if accelerator != "cpu" else CPUFSDPStrategy(state_dict_type="sharded")
+        return (
+            lightning.pytorch.strategies.FSDPStrategy()
+            if accelerator != "cpu"
+            else CPUFSDPStrategy(state_dict_type="sharded")
+        )
     if name == "ddp":
         return lightning.pytorch.strategies.DDPStrategy()  # gloo on the CPU, NCCL on CUDA
     if name == "fsdp2":
@@ -161,7 +176,9 @@ def strategy(name: str, devices: int, accelerator: str):
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--strategy", default="single", choices=("single", "ddp", "fsdp2", "fsdp", "deepspeed2", "deepspeed3"))
+    parser.add_argument(
+        "--strategy", default="single", choices=("single", "ddp", "fsdp2", "fsdp", "deepspeed2", "deepspeed3")
+    )
     parser.add_argument("--devices", type=int, default=1)
     parser.add_argument("--accelerator", default="cpu")
     parser.add_argument("--out", required=True)
@@ -170,28 +187,54 @@ def main() -> None:
     parser.add_argument("--dynamic", action="store_true")
     parser.add_argument("--die", type=int, default=None)
     parser.add_argument("--clip", type=float, default=None, help="module.max_grad_norm (default: no clipping)")
-    parser.add_argument("--nan-prompt", type=int, default=None, help="NaN advantages for this prompt id: its optimizer step is skipped")
-    parser.add_argument("--eval", action="store_true", help="a greedy evaluation of 4 held-out prompts after every iteration")
+    parser.add_argument(
+        "--nan-prompt", type=int, default=None, help="NaN advantages for this prompt id: its optimizer step is skipped"
+    )
+    parser.add_argument(
+        "--eval", action="store_true", help="a greedy evaluation of 4 held-out prompts after every iteration"
+    )
     parser.add_argument("--save-every-step", default=None, help="a directory: a checkpoint after every optimizer step")
     parser.add_argument("--resume", default=None, help="a checkpoint to resume from")
     args = parser.parse_args()
 
     torch.manual_seed(0)
     objective = GRPOObjective(beta=0.04, dynamic_sampling=args.dynamic)
-    pool = HFRolloutPool(num_workers=1, threads_per_worker=1, prompts_per_request=2, colocated_threads=1) if args.die is not None else RecordingPool()
+    pool = (
+        HFRolloutPool(num_workers=1, threads_per_worker=1, prompts_per_request=2, colocated_threads=1)
+        if args.die is not None
+        else RecordingPool()
+    )
     module, datamodule = make_components(
-        args.mode, pool=pool, prompts=8, group_size=4, micro_batch_size=4, mini_batches=2, objective=objective, **{**sgd(0.5, momentum=0.5), "max_grad_norm": args.clip},
+        args.mode,
+        pool=pool,
+        prompts=8,
+        group_size=4,
+        micro_batch_size=4,
+        mini_batches=2,
+        objective=objective,
+        **{**sgd(0.5, momentum=0.5), "max_grad_norm": args.clip},
         datamodule_kwargs={"evaluation": {"every_n_iterations": 1, "prompts": 4}} if args.eval else None,
     )
     recorder, norms = BatchRecorder(), GradNorms()
-    callbacks = [WeightSync(), recorder, norms, HFExport(dirpath=str(Path(args.out) / "export"))] + ([DieAt(args.die)] if args.die is not None else [])
+    callbacks = [WeightSync(), recorder, norms, HFExport(dirpath=str(Path(args.out) / "export"))] + (
+        [DieAt(args.die)] if args.die is not None else []
+    )
     callbacks += [PoisonPrompt(args.nan_prompt)] if args.nan_prompt is not None else []
     if args.save_every_step:
-        callbacks.append(ModelCheckpoint(dirpath=args.save_every_step, filename="{step}", every_n_train_steps=1, save_top_k=-1))
+        callbacks.append(
+            ModelCheckpoint(dirpath=args.save_every_step, filename="{step}", every_n_train_steps=1, save_top_k=-1)
+        )
     trainer = lightning.Trainer(
-        accelerator=args.accelerator, devices=args.devices, strategy=strategy(args.strategy, args.devices, args.accelerator), max_epochs=args.iterations,
-        callbacks=callbacks, logger=False, enable_checkpointing=bool(args.save_every_step), enable_progress_bar=False,
-        enable_model_summary=False, num_sanity_val_steps=0,
+        accelerator=args.accelerator,
+        devices=args.devices,
+        strategy=strategy(args.strategy, args.devices, args.accelerator),
+        max_epochs=args.iterations,
+        callbacks=callbacks,
+        logger=False,
+        enable_checkpointing=bool(args.save_every_step),
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
     )
     trainer.fit(module, datamodule=datamodule, ckpt_path=args.resume)
 

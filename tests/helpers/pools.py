@@ -24,7 +24,9 @@ class InProcessPool(RolloutPool):
     backend = "in-process"
 
     def _start(self, spec: PoolSpec) -> None:
-        self.model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(spec.model_dir), attn_implementation="sdpa").eval()
+        self.model = AutoModelForCausalLM.from_config(
+            AutoConfig.from_pretrained(spec.model_dir), attn_implementation="sdpa"
+        ).eval()
         self.eos_id = spec.eos_id
         self.held: int | None = None
 
@@ -42,7 +44,9 @@ class InProcessPool(RolloutPool):
     @torch.no_grad()
     def _generate(self, requests: list[GroupRequest], sampling: SamplingParams) -> Iterator[GroupCompletions]:
         if sampling.top_k or sampling.top_p < 1 or sampling.stop:
-            raise NotImplementedError("InProcessPool samples from the full softmax only (top_k=0, top_p=1, no stop strings)")
+            raise NotImplementedError(
+                "InProcessPool samples from the full softmax only (top_k=0, top_p=1, no stop strings)"
+            )
         temperature = sampling.temperature or 1.0  # greedy: the argmax, log-probs of the plain softmax
         stops = (self.eos_id, *sampling.stop_token_ids)
         for request in requests:  # the group's samples side by side; each row draws from its own seed
@@ -54,7 +58,9 @@ class InProcessPool(RolloutPool):
                 if sampling.greedy:
                     drawn = logp.argmax(-1)
                 else:
-                    drawn = torch.cat([torch.multinomial(row.exp(), 1, generator=g) for row, g in zip(logp, generators)])
+                    drawn = torch.cat(
+                        [torch.multinomial(row.exp(), 1, generator=g) for row, g in zip(logp, generators)]
+                    )
                 steps.append((drawn.tolist(), logp.gather(-1, drawn[:, None])[:, 0].tolist()))
                 tokens = torch.cat([tokens, drawn[:, None]], dim=1)
             completions, logprobs, reasons = [], [], []
@@ -64,7 +70,9 @@ class InProcessPool(RolloutPool):
                 completions.append(drawn[:end])
                 logprobs.append([step[1][k] for step in steps[:end]])
                 reasons.append("stop" if drawn[end - 1] in stops else "length")
-            yield GroupCompletions(request.prompt_id, self.held, list(range(request.group_size)), completions, logprobs, reasons)
+            yield GroupCompletions(
+                request.prompt_id, self.held, list(range(request.group_size)), completions, logprobs, reasons
+            )
 
     def _worker_counts(self) -> tuple[int, int]:
         return (1, 1)

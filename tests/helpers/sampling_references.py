@@ -39,7 +39,8 @@ def stop_strings_for(tokenizer, samples: list[list[int]], limit: int) -> tuple[s
 
     early = tuple(dict.fromkeys(text(c[1:3]) for c in samples if len(text(c[1:3])) == 2))[:2]
     return next(
-        (*early, text(c[-2:])) for c in samples
+        (*early, text(c[-2:]))
+        for c in samples
         if len(c) == limit and len(text(c[-2:])) == 2 and first_stop(tokenizer, c, (*early, text(c[-2:]))) == limit - 1
     )
 

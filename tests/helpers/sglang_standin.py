@@ -67,13 +67,20 @@ from sglang_requests import (  # noqa: E402, F401 - the contract tests read the 
     body_problem,
     generate_problem,
 )
+
 from lit_parl.rollout.weight_transfer import (
     deserialize_named_tensors,
     init_weight_update_group,
 )
 
 # SGLang's --dtype choices (server_args.py)
-DTYPES = {"half": torch.float16, "float16": torch.float16, "bfloat16": torch.bfloat16, "float": torch.float32, "float32": torch.float32}
+DTYPES = {
+    "half": torch.float16,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "float": torch.float32,
+    "float32": torch.float32,
+}
 
 
 class StandIn:
@@ -81,7 +88,9 @@ class StandIn:
         torch.set_num_threads(1)
         self.args = args
         dtype = "auto" if args.dtype == "auto" else DTYPES[args.dtype]
-        self.model = AutoModelForCausalLM.from_pretrained(args.model_path, dtype=dtype, attn_implementation="sdpa").eval()
+        self.model = AutoModelForCausalLM.from_pretrained(
+            args.model_path, dtype=dtype, attn_implementation="sdpa"
+        ).eval()
         self.tokenizer = None if args.skip_tokenizer_init else AutoTokenizer.from_pretrained(args.model_path)
         self.weight_version = "default"
         # read as SGLang reads it: log-probs before the temperature
@@ -114,16 +123,20 @@ class StandIn:
             return web.json_response({"error": {"message": refused}}, status=400)  # SGLang's answer to a ValueError
         outputs = []
         async with self.lock:
-          self.running += 1
-          try:
-            for prompt, p in zip(prompts, params):
-                n = int(p.get("n", 1))
-                # SGLang honours sampling_seed only under --enable-deterministic-inference (then 42 when unset)
-                seed = (p.get("sampling_seed") if p.get("sampling_seed") is not None else 42) if self.args.enable_deterministic_inference else None
-                seeds = [seed + k if seed is not None else int(torch.randint(0, 2**62, ())) for k in range(n)]
-                outputs += await asyncio.to_thread(self._sample, prompt, p, seeds, bool(body.get("return_logprob")))
-          finally:
-            self.running -= 1
+            self.running += 1
+            try:
+                for prompt, p in zip(prompts, params):
+                    n = int(p.get("n", 1))
+                    # SGLang honours sampling_seed only under --enable-deterministic-inference (then 42 when unset)
+                    seed = (
+                        (p.get("sampling_seed") if p.get("sampling_seed") is not None else 42)
+                        if self.args.enable_deterministic_inference
+                        else None
+                    )
+                    seeds = [seed + k if seed is not None else int(torch.randint(0, 2**62, ())) for k in range(n)]
+                    outputs += await asyncio.to_thread(self._sample, prompt, p, seeds, bool(body.get("return_logprob")))
+            finally:
+                self.running -= 1
         return web.json_response(outputs if batched or len(outputs) > 1 else outputs[0])
 
     def _refused(self, params: list[dict]) -> str | None:
@@ -131,8 +144,10 @@ class StandIn:
         without a tokenizer (its ``normalize``)."""
         for p in params:
             if p.get("stop") and self.tokenizer is None:
-                return (f"stop={p['stop']!r} is unavailable when skip_tokenizer_init=True "
-                        "(requires tokenizer to decode tokens to text for matching).")
+                return (
+                    f"stop={p['stop']!r} is unavailable when skip_tokenizer_init=True "
+                    "(requires tokenizer to decode tokens to text for matching)."
+                )
         return None
 
     def _sample(self, prompt: list[int], p: dict, seeds: list[int], return_logprob: bool) -> list[dict]:
@@ -144,8 +159,13 @@ class StandIn:
             temperature, top_k = 1.0, 1
         max_new_tokens = int(p.get("max_new_tokens", 128))
         if max_new_tokens == 0:  # SGLang allows it: nothing generated, finished by length
-            meta = {"finish_reason": {"type": "length", "length": 0}, "prompt_tokens": len(prompt), "completion_tokens": 0,
-                    "weight_version": self.weight_version, **({"output_token_logprobs": []} if return_logprob else {})}
+            meta = {
+                "finish_reason": {"type": "length", "length": 0},
+                "prompt_tokens": len(prompt),
+                "completion_tokens": 0,
+                "weight_version": self.weight_version,
+                **({"output_token_logprobs": []} if return_logprob else {}),
+            }
             return [{"output_ids": [], "meta_info": meta} for _ in seeds]
         sampling = SamplingParams(
             max_new_tokens=max_new_tokens,
@@ -163,9 +183,13 @@ class StandIn:
             if self.original_logprob:
                 logprobs = self._logprobs_before_temperature(prompt, tokens)
             text = self.tokenizer.decode(tokens, skip_special_tokens=True) if strings else ""
-            matched = next((s for s in strings if s in text), tokens[-1])  # a string the last token completed, or the token
+            matched = next(
+                (s for s in strings if s in text), tokens[-1]
+            )  # a string the last token completed, or the token
             meta = {
-                "finish_reason": {"type": "length", "length": max_new_tokens} if len(tokens) >= max_new_tokens else {"type": "stop", "matched": matched},
+                "finish_reason": {"type": "length", "length": max_new_tokens}
+                if len(tokens) >= max_new_tokens
+                else {"type": "stop", "matched": matched},
                 "prompt_tokens": len(prompt),
                 "completion_tokens": len(tokens),
                 "weight_version": self.weight_version,
@@ -212,7 +236,9 @@ class StandIn:
 
     async def begin_update(self, request: web.Request) -> web.Response:
         if self.in_session:
-            return web.json_response({"success": False, "message": "a weight update session is already open"}, status=400)
+            return web.json_response(
+                {"success": False, "message": "a weight update session is already open"}, status=400
+            )
         self.in_session = True
         return web.json_response({"success": True, "message": "ok"})
 
@@ -223,11 +249,19 @@ class StandIn:
         return web.json_response({"success": True, "message": "ok"})
 
     async def server_info(self, request: web.Request) -> web.Response:
-        return web.json_response({"model_path": self.args.model_path, "tp_size": self.args.tp_size,
-                                  "enable_deterministic_inference": self.args.enable_deterministic_inference, "dtype": self.args.dtype})
+        return web.json_response(
+            {
+                "model_path": self.args.model_path,
+                "tp_size": self.args.tp_size,
+                "enable_deterministic_inference": self.args.enable_deterministic_inference,
+                "dtype": self.args.dtype,
+            }
+        )
 
     async def model_info(self, request: web.Request) -> web.Response:
-        return web.json_response({"model_path": self.args.model_path, "is_generation": True, "weight_version": self.weight_version})
+        return web.json_response(
+            {"model_path": self.args.model_path, "is_generation": True, "weight_version": self.weight_version}
+        )
 
     async def update_from_tensor(self, request: web.Request) -> web.Response:
         refused = self._outside_session("update_weights_from_tensor")
@@ -240,8 +274,12 @@ class StandIn:
             return web.json_response({"success": False, "message": message}, status=400)
         shares = [deserialize_named_tensors(payload) for payload in payloads]  # each rank unpickles its own
         for share in shares[1:]:
-            if [n for n, _ in share] != [n for n, _ in shares[0]] or not all(torch.equal(a, b) for (_, a), (_, b) in zip(share, shares[0])):
-                return web.json_response({"success": False, "message": "tensor-parallel ranks got different weights"}, status=400)
+            if [n for n, _ in share] != [n for n, _ in shares[0]] or not all(
+                torch.equal(a, b) for (_, a), (_, b) in zip(share, shares[0])
+            ):
+                return web.json_response(
+                    {"success": False, "message": "tensor-parallel ranks got different weights"}, status=400
+                )
         self._load(shares[0], body.get("weight_version"))
         return web.json_response({"success": True, "message": "ok"})
 
@@ -250,14 +288,21 @@ class StandIn:
         self.group_name = body["group_name"]
         self.group = await asyncio.to_thread(
             init_weight_update_group,
-            body["master_address"], body["master_port"], body["rank_offset"], body["world_size"], body["group_name"], "gloo",
+            body["master_address"],
+            body["master_port"],
+            body["rank_offset"],
+            body["world_size"],
+            body["group_name"],
+            "gloo",
         )
         return web.json_response({"success": True, "message": "ok"})
 
     async def destroy_group(self, request: web.Request) -> web.Response:
         body = await request.json()
         if self.group is None or body.get("group_name", "weight_update_group") != self.group_name:
-            return web.json_response({"success": False, "message": "The group to be destroyed does not exist."}, status=400)
+            return web.json_response(
+                {"success": False, "message": "The group to be destroyed does not exist."}, status=400
+            )
         torch.distributed.destroy_process_group(self.group)
         self.group = None
         return web.json_response({"success": True, "message": "Succeeded to destroy custom process group."})
@@ -294,7 +339,9 @@ class StandIn:
 
     async def flush_cache(self, request: web.Request) -> web.Response:
         if self.running:  # SGLang's scheduler flushes only when idle (requests held by a pause do not count)
-            return web.Response(text=f"Cache not flushed because there are pending requests. #running-req: {self.running}\n", status=400)
+            return web.Response(
+                text=f"Cache not flushed because there are pending requests. #running-req: {self.running}\n", status=400
+            )
         return web.Response(text="Cache flushed.\n")
 
     async def health(self, request: web.Request) -> web.Response:
@@ -330,7 +377,9 @@ def main() -> None:
     parser.add_argument("--stale-version", action="store_true")
     parser.add_argument("--exit-at-start", action="store_true")
     parser.add_argument("--refuse-distributed-updates", action="store_true")
-    parser.add_argument("--legacy-api", action="store_true", help="an SGLang before weight-update sessions and /model_info's version")
+    parser.add_argument(
+        "--legacy-api", action="store_true", help="an SGLang before weight-update sessions and /model_info's version"
+    )
     args = parser.parse_args()  # an unknown flag exits with code 2, as SGLang's own parser makes it
     if args.exit_at_start:
         print("stand-in: exiting at start as asked", flush=True)

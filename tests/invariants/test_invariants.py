@@ -20,14 +20,12 @@ import pytest
 import torch
 from lightning.pytorch import Callback
 
+from helpers.components import BatchRecorder, fit, make_components, policy_state, sgd
+from helpers.pools import InProcessPool, WrappedPool
 from lit_parl import GRPOObjective, OffPolicyError, Packing
 from lit_parl.callbacks import WeightSync
 from lit_parl.rollout import HFRolloutPool, PoolSpec
 from lit_parl.tasks import CopyTask
-
-from helpers.components import BatchRecorder, fit, make_components, policy_state, sgd
-
-from helpers.pools import InProcessPool, WrappedPool
 
 LR = 0.5  # updates of norm ~0.5 over all weights: float32 noise is ~1e-7 of that
 SAME_UPDATE = 1e-5
@@ -99,7 +97,9 @@ def test_sync_and_async_train_the_same_weights_from_groups_that_arrive_in_anothe
     weights, first_halves = {}, {}
     for mode, wrap in (("sync", ReversingPool), ("async", lambda inner: ReorderingPool(inner, seed=2))):
         pool = wrap(HFRolloutPool(num_workers=2, threads_per_worker=1, prompts_per_request=1, colocated_threads=1))
-        module, data = make_components(mode=mode, pool=pool, prompts=8, group_size=4, micro_batch_size=8, mini_batches=2, **sgd(LR))
+        module, data = make_components(
+            mode=mode, pool=pool, prompts=8, group_size=4, micro_batch_size=8, mini_batches=2, **sgd(LR)
+        )
         initial = policy_state(module)
         trainer = fit(module, data, iterations=2)
         assert data.iterations_done == 2 and trainer.global_step == 4
@@ -107,7 +107,9 @@ def test_sync_and_async_train_the_same_weights_from_groups_that_arrive_in_anothe
         arrivals = [[g.prompt_id for g in pool.returned if g.version == v] for v in range(2)]
         first_halves[mode] = [set(order[:4]) for order in arrivals]
     # a mini-batch is a block of schedule slots; had arrival order decided, the two runs would differ
-    assert first_halves["sync"] != first_halves["async"], "both runs saw the groups in the same halves: equal by construction"
+    assert first_halves["sync"] != first_halves["async"], (
+        "both runs saw the groups in the same halves: equal by construction"
+    )
     assert _update_difference(initial, weights["sync"], weights["async"]) < SAME_UPDATE
 
 
@@ -131,7 +133,8 @@ def _token_mean_reference(initial_policy, recorder: BatchRecorder, pool: Wrapped
     model = copy.deepcopy(initial_policy).train()
     advantages = {
         (prompt_id, sample): float(advantage)
-        for epoch, batch in recorder.batches if epoch == iteration
+        for epoch, batch in recorder.batches
+        if epoch == iteration
         for prompt_id, sample, advantage in zip(batch.prompt_ids, batch.sample_indices, batch.advantages)
     }
     total, tokens = 0.0, 0
@@ -187,9 +190,13 @@ def test_out_of_order_groups_are_each_trained_exactly_once_with_their_own_comple
             inputs = tokens.input_ids.reshape(-1)
             assert tokens.label_targets[labels].tolist() == completion, "row carries another prompt's completion"
             first = int(tokens.label_positions[labels][0])  # the prompt's last token predicts completion[0]
-            assert inputs[first - len(prompt_ids) + 1 : first + 1].tolist() == prompt_ids, "completion is not attached to its own prompt"
+            assert inputs[first - len(prompt_ids) + 1 : first + 1].tolist() == prompt_ids, (
+                "completion is not attached to its own prompt"
+            )
             answer = data.tokenizer(task.make(prompt_id)[1], add_special_tokens=False).input_ids
-            assert batch.rewards[row].item() == pytest.approx(task.reward(answer, completion, data.tokenizer.eos_token_id))
+            assert batch.rewards[row].item() == pytest.approx(
+                task.reward(answer, completion, data.tokenizer.eos_token_id)
+            )
     # every scheduled prompt of every iteration, every sample, exactly once
     expected = [(epoch, epoch * 8 + p, s) for epoch in range(3) for p in range(8) for s in range(4)]
     assert sorted(trained) == sorted(expected)
@@ -253,7 +260,9 @@ def test_the_pool_itself_refuses_requests_for_a_version_it_does_not_hold(hf_pool
     hf_pool.start(PoolSpec(data._model_dir.path(), data.tokenizer.eos_token_id, data.tokenizer.pad_token_id))
     hf_pool.sync_weights([list(module.policy.named_parameters())], version=0)
     ahead = list(data.schedule.requests(list(range(8)), version=1).values())
-    with pytest.raises(RuntimeError, match=r"version gate: requests for policy version\(s\) \[1\] reached a pool holding version 0"):
+    with pytest.raises(
+        RuntimeError, match=r"version gate: requests for policy version\(s\) \[1\] reached a pool holding version 0"
+    ):
         list(hf_pool.generate(ahead, data.sampling))
     hf_pool.check_requests = lambda requests: None  # bypass the pool's check: the worker must still refuse
     with pytest.raises(RuntimeError, match=r"worker 0 holds policy version 0 but got requests for \[1\]"):
@@ -310,10 +319,14 @@ class OpensWithoutSyncing(WeightSync):
             trainer.datamodule.gate.open(1, confirmed=1)
 
 
-@pytest.mark.parametrize("bypass, message", [
-    ("gate", r"the gate was asked to open version 1 but the pool confirmed version 0"),
-    ("datamodule", r"the gate opened version 1 but the pool holds version 0"),
-], ids=["gate", "datamodule"])
+@pytest.mark.parametrize(
+    "bypass, message",
+    [
+        ("gate", r"the gate was asked to open version 1 but the pool confirmed version 0"),
+        ("datamodule", r"the gate opened version 1 but the pool holds version 0"),
+    ],
+    ids=["gate", "datamodule"],
+)
 def test_an_iteration_never_starts_on_weights_the_pool_has_not_confirmed(bypass, message):
     """The gate refuses to open for a version the pool has not confirmed; past a gate that was misled, the
     iteration's stream checks the pool's version itself before it sends anything."""
@@ -346,7 +359,9 @@ def test_a_zero_advantage_group_contributes_no_gradient():
 
     module, data = make_components()
     rewards = torch.full((4,), 2 / 3)
-    advantages = module.objective.advantages(module.objective.shape_rewards(rewards, torch.tensor([2, 3, 2, 3]), torch.zeros(4, dtype=torch.bool), 6))
+    advantages = module.objective.advantages(
+        module.objective.shape_rewards(rewards, torch.tensor([2, 3, 2, 3]), torch.zeros(4, dtype=torch.bool), 6)
+    )
     assert torch.equal(advantages, torch.zeros(4))
     trajectories = [
         Trajectory(0, s, 0, [5, 6, 41], [5, 6, 1][: 2 + s % 2], [-1.0] * (2 + s % 2), 0.25, float(advantages[s]), False)

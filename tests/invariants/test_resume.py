@@ -25,13 +25,30 @@ STEPS_PER_ITERATION = 4  # mini_batches=2 x passes=2
 def run(tmp_path, *, ckpt_path=None, save_every_step=False, callbacks=(), dynamic=False, weight_sync=True):
     objective = GRPOObjective(beta=0.04, dynamic_sampling=dynamic)
     module, datamodule = make_components(
-        pool=InProcessPool(), prompts=8, group_size=4, micro_batch_size=8, mini_batches=2, passes=2, objective=objective, **sgd(0.5)
+        pool=InProcessPool(),
+        prompts=8,
+        group_size=4,
+        micro_batch_size=8,
+        mini_batches=2,
+        passes=2,
+        objective=objective,
+        **sgd(0.5),
     )
     recorder = BatchRecorder()
-    checkpoints = [ModelCheckpoint(dirpath=tmp_path, filename="{step}", every_n_train_steps=1, save_top_k=-1)] if save_every_step else []
+    checkpoints = (
+        [ModelCheckpoint(dirpath=tmp_path, filename="{step}", every_n_train_steps=1, save_top_k=-1)]
+        if save_every_step
+        else []
+    )
     trainer = lightning.Trainer(
-        accelerator="cpu", max_epochs=ITERATIONS, callbacks=[*([WeightSync()] if weight_sync else []), recorder, *checkpoints, *callbacks], logger=False,
-        enable_checkpointing=save_every_step, enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
+        accelerator="cpu",
+        max_epochs=ITERATIONS,
+        callbacks=[*([WeightSync()] if weight_sync else []), recorder, *checkpoints, *callbacks],
+        logger=False,
+        enable_checkpointing=save_every_step,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
     )
     trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt_path)
     return module, datamodule, recorder
@@ -45,9 +62,13 @@ def test_resume_at_any_optimizer_step_ends_with_the_uninterrupted_weights(tmp_pa
     samples = straight_batches.samples()
     per_step = len(samples) // (ITERATIONS * 2)  # first-pass samples per optimizer step of pass 0
     for step in (1, 4, 5, 6):  # inside iteration 0, at its end, after the first step of iteration 1, in its second pass
-        resumed, resumed_data, resumed_batches = run(tmp_path / f"resume{step}", ckpt_path=str(tmp_path / "saved" / f"step={step}.ckpt"), dynamic=dynamic)
+        resumed, resumed_data, resumed_batches = run(
+            tmp_path / f"resume{step}", ckpt_path=str(tmp_path / "saved" / f"step={step}.ckpt"), dynamic=dynamic
+        )
         for name, tensor in policy_state(straight).items():
-            torch.testing.assert_close(resumed.policy.state_dict()[name], tensor, rtol=1e-5, atol=1e-7, msg=f"step {step}: {name}")
+            torch.testing.assert_close(
+                resumed.policy.state_dict()[name], tensor, rtol=1e-5, atol=1e-7, msg=f"step {step}: {name}"
+            )
         assert resumed_data.schedule.cursor == straight_data.schedule.cursor, step
         iteration, in_iteration = divmod(step, STEPS_PER_ITERATION)
         first_pass_steps = min(in_iteration, 2)  # steps 3 and 4 of an iteration are its second pass: no new samples
@@ -67,16 +88,33 @@ def test_the_resumed_iteration_generates_from_its_starting_weights(tmp_path):
             super()._push(named_tensors, version)
 
     checkpoint = torch.load(tmp_path / "saved" / "step=5.ckpt", weights_only=False)
-    module, datamodule = make_components(pool=InProcessPool(), prompts=8, group_size=4, micro_batch_size=8, mini_batches=2, passes=2,
-                                         objective=GRPOObjective(beta=0.04), **sgd(0.5))
-    lightning.Trainer(accelerator="cpu", max_epochs=2, callbacks=[Recording()], logger=False, enable_checkpointing=False,
-                      enable_progress_bar=False, enable_model_summary=False).fit(module, datamodule=datamodule, ckpt_path=str(tmp_path / "saved" / "step=5.ckpt"))
+    module, datamodule = make_components(
+        pool=InProcessPool(),
+        prompts=8,
+        group_size=4,
+        micro_batch_size=8,
+        mini_batches=2,
+        passes=2,
+        objective=GRPOObjective(beta=0.04),
+        **sgd(0.5),
+    )
+    lightning.Trainer(
+        accelerator="cpu",
+        max_epochs=2,
+        callbacks=[Recording()],
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    ).fit(module, datamodule=datamodule, ckpt_path=str(tmp_path / "saved" / "step=5.ckpt"))
     version, weights = pushed[0]
     assert version == 1
     state = checkpoint["state_dict"]
     for name, tensor in weights.items():
         torch.testing.assert_close(tensor, state[f"old.{name}"], rtol=0, atol=0)
-    assert any(not torch.equal(state[f"old.{name}"], state[f"policy.{name}"]) for name in weights)  # θ_k is not the policy
+    assert any(
+        not torch.equal(state[f"old.{name}"], state[f"policy.{name}"]) for name in weights
+    )  # θ_k is not the policy
 
 
 def cli_callbacks(run_dir) -> list:
@@ -87,7 +125,9 @@ def cli_callbacks(run_dir) -> list:
     return [instantiate(node) for name, node in cfg.callbacks.items() if node is not None and name != "checkpoint"]
 
 
-@pytest.mark.parametrize("step", [4, 5, 6], ids=["after_an_iterations_last_step", "inside_an_iteration", "in_its_second_pass"])
+@pytest.mark.parametrize(
+    "step", [4, 5, 6], ids=["after_an_iterations_last_step", "inside_an_iteration", "in_its_second_pass"]
+)
 def test_resume_with_the_callbacks_the_cli_installs(tmp_path, step):
     """Every shipped callback, as the CLI installs it, survives a restart inside an epoch (Lightning skips the epoch's
     start) and after an iteration's last step (Lightning then skips the epoch's end too): the fit ends with the
@@ -98,14 +138,20 @@ def test_resume_with_the_callbacks_the_cli_installs(tmp_path, step):
     assert {type(c) for c in saved} == {c for c in shipped if isinstance(c, type) and issubclass(c, Callback)}
     run(tmp_path / "saved", save_every_step=True, callbacks=saved, weight_sync=False)
     resumed_callbacks = cli_callbacks(tmp_path / "resumed")
-    resumed, _, _ = run(tmp_path / "resumed", ckpt_path=str(tmp_path / "saved" / f"step={step}.ckpt"), callbacks=resumed_callbacks,
-                        weight_sync=False)
+    resumed, _, _ = run(
+        tmp_path / "resumed",
+        ckpt_path=str(tmp_path / "saved" / f"step={step}.ckpt"),
+        callbacks=resumed_callbacks,
+        weight_sync=False,
+    )
     assert_same_policy(resumed, straight)
     summary = next(c for c in resumed_callbacks if isinstance(c, RunSummary)).summary
     assert (summary["iterations"], summary["completions"]) == (ITERATIONS, ITERATIONS * 8 * 4), summary
     timeline = next(c for c in resumed_callbacks if isinstance(c, PipelineTimeline))
     assert timeline.count == ITERATIONS
-    restored = (step - 1) // STEPS_PER_ITERATION + (step % STEPS_PER_ITERATION == 0)  # iterations booked in the checkpoint
+    restored = (step - 1) // STEPS_PER_ITERATION + (
+        step % STEPS_PER_ITERATION == 0
+    )  # iterations booked in the checkpoint
     lines = load_timeline(tmp_path / "resumed" / "timeline.jsonl")
     assert [line["iteration"] for line in lines] == list(range(restored, ITERATIONS))
 
@@ -137,7 +183,9 @@ class SaveAt(Callback):
 def test_a_checkpoint_between_the_micro_batches_of_one_step_resumes_from_that_steps_start(tmp_path):
     """The weights in it are those of the last step; the micro-batch after it is trained again, from them."""
     straight, _, straight_batches = run(tmp_path / "straight")
-    _, _, before = run(tmp_path / "saved", callbacks=[SaveAt(tmp_path / "mid_step.ckpt", epoch=1, batch_idx=2)])  # after step 5's first
+    _, _, before = run(
+        tmp_path / "saved", callbacks=[SaveAt(tmp_path / "mid_step.ckpt", epoch=1, batch_idx=2)]
+    )  # after step 5's first
     resumed, _, resumed_batches = run(tmp_path / "resumed", ckpt_path=str(tmp_path / "mid_step.ckpt"))
     assert_same_policy(resumed, straight)
     per_step = len(straight_batches.samples()) // (ITERATIONS * 2)
@@ -156,7 +204,9 @@ def test_a_fit_stopped_inside_an_iteration_resumes_inside_it(tmp_path, batch_idx
     assert resumed_data.schedule.cursor == straight_data.schedule.cursor and resumed_data.iterations_done == ITERATIONS
     per_step = len(straight_batches.samples()) // (ITERATIONS * 2)
     steps_before = 2 + (batch_idx + 1) // 2  # iteration 0's two, and iteration 1's whole steps before the stop
-    assert straight_batches.samples()[: steps_before * per_step] + resumed_batches.samples() == straight_batches.samples()
+    assert (
+        straight_batches.samples()[: steps_before * per_step] + resumed_batches.samples() == straight_batches.samples()
+    )
 
 
 def test_a_checkpoint_written_by_a_resumed_fit_resumes_too(tmp_path):
@@ -180,14 +230,16 @@ def test_a_checkpoint_without_its_position_in_the_iteration_is_refused(tmp_path)
 
 
 def test_resuming_inside_an_iteration_on_another_number_of_ranks_is_refused():
+    from lit_parl.data.iteration_shape import IterationShape
     from lit_parl.data.rank_share import RankShare
     from lit_parl.data.resume_point import ResumePoint
-    from lit_parl.data.iteration_shape import IterationShape
 
     share = RankShare(IterationShape(prompts=8, group_size=4, micro_batch_size=8, mini_batches=2))
     with pytest.raises(ValueError, match="by 2 rank.*this fit has 1"):
         ResumePoint().load({"iterations_done": 1, "trained_in_iteration": 2, "world": 2}, share)
-    ResumePoint().load({"iterations_done": 1, "trained_in_iteration": 0, "world": 2}, share)  # between iterations: any number
+    ResumePoint().load(
+        {"iterations_done": 1, "trained_in_iteration": 0, "world": 2}, share
+    )  # between iterations: any number
 
 
 def test_checkpoints_leave_out_the_models_the_module_rebuilds(tmp_path):
@@ -198,10 +250,26 @@ def test_checkpoints_leave_out_the_models_the_module_rebuilds(tmp_path):
     assert not any(name.startswith(("reference.", "old.")) for name in boundary)
     assert any(name.startswith("old.") for name in inside) and not any(name.startswith("reference.") for name in inside)
 
-    module, datamodule = make_components(pool=InProcessPool(), prompts=8, group_size=4, micro_batch_size=8, mini_batches=2, passes=2,
-                                         objective=GRPOObjective(beta=0.04), seed=1, **sgd(0.5))  # another initial model
-    trainer = lightning.Trainer(accelerator="cpu", max_epochs=ITERATIONS, callbacks=[WeightSync()], logger=False, enable_checkpointing=False,
-                                enable_progress_bar=False, enable_model_summary=False)
+    module, datamodule = make_components(
+        pool=InProcessPool(),
+        prompts=8,
+        group_size=4,
+        micro_batch_size=8,
+        mini_batches=2,
+        passes=2,
+        objective=GRPOObjective(beta=0.04),
+        seed=1,
+        **sgd(0.5),
+    )  # another initial model
+    trainer = lightning.Trainer(
+        accelerator="cpu",
+        max_epochs=ITERATIONS,
+        callbacks=[WeightSync()],
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
     with pytest.raises(ValueError, match="another reference model"):
         trainer.fit(module, datamodule=datamodule, ckpt_path=str(tmp_path / "step=4.ckpt"))
 
@@ -217,8 +285,11 @@ def test_resume_takes_a_checkpoint_file_or_a_run_directory(tmp_path):
     step.write_bytes(b"")
     assert checkpoint_to_resume(None) is None
     assert checkpoint_to_resume(str(step)) == str(step)
-    with pytest.raises(FileNotFoundError, match=r"no checkpoints/last.ckpt or last.ckpt; name one of its checkpoints, quoted: "
-                                                r"\"resume='.*/run/checkpoints/epoch=2-step=5.ckpt'\""):
+    with pytest.raises(
+        FileNotFoundError,
+        match=r"no checkpoints/last.ckpt or last.ckpt; name one of its checkpoints, quoted: "
+        r"\"resume='.*/run/checkpoints/epoch=2-step=5.ckpt'\"",
+    ):
         checkpoint_to_resume(str(run_dir))
     (run_dir / "checkpoints" / "last.ckpt").write_bytes(b"")
     assert checkpoint_to_resume(str(run_dir)) == str(run_dir / "checkpoints" / "last.ckpt")

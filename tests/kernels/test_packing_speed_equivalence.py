@@ -18,12 +18,12 @@ import pytest
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
+from lit_parl.data.micro_batch import Trajectory, collate
 from lit_parl.kernels.packing import GroupTokens, PackedTokens, SegmentBucket, SharedPromptLayout, pack
 from lit_parl.models import tiny_qwen2
 from lit_parl.rollout import sampling as sampling_module
-from lit_parl.rollout.sampling import SampledGroup, _cache_keyword, filter_logits, sample_groups
 from lit_parl.rollout.records import GroupRequest, SamplingParams, sample_seed
-from lit_parl.data.micro_batch import Trajectory, collate
+from lit_parl.rollout.sampling import SampledGroup, _cache_keyword, filter_logits, sample_groups
 
 
 # ------------------------------------------------------------------------------------------------------
@@ -64,7 +64,9 @@ def reference_pack(
     if any(len(c) == 0 for c in completions):
         raise ValueError("every completion needs at least one token")
     if any(len(p) == 0 for p, _ in groups):
-        raise ValueError("every prompt needs at least one token (a completion's first token is read at the prompt's last position)")
+        raise ValueError(
+            "every prompt needs at least one token (a completion's first token is read at the prompt's last position)"
+        )
     width = max(len(c) for c in completions)
     if shared_prompt:
         units = [[(prompt, cs)] for prompt, cs in groups]  # a unit is what shares one prompt
@@ -192,7 +194,9 @@ def reference_sample_groups(
     positions = (attention.cumsum(-1) - 1).clamp(min=0)
     cache = DynamicCache(config=model.config)
     cache_kwargs = {_cache_keyword(model): cache, "use_cache": True}
-    logits = model(input_ids=input_ids, attention_mask=attention, position_ids=positions, logits_to_keep=1, **cache_kwargs).logits[:, -1]
+    logits = model(
+        input_ids=input_ids, attention_mask=attention, position_ids=positions, logits_to_keep=1, **cache_kwargs
+    ).logits[:, -1]
     cache.batch_repeat_interleave(group_size)
     logits = logits.repeat_interleave(group_size, 0)
     attention = attention.repeat_interleave(group_size, 0)
@@ -241,7 +245,9 @@ def reference_sample_groups(
             generators = [generators[k] for k in keep]
             choice, attention, next_position = choice[index], attention[index], next_position[index]
         attention = torch.cat([attention, attention.new_ones((attention.shape[0], 1))], dim=1)
-        logits = model(input_ids=choice[:, None], attention_mask=attention, position_ids=next_position, **cache_kwargs).logits[:, -1]
+        logits = model(
+            input_ids=choice[:, None], attention_mask=attention, position_ids=next_position, **cache_kwargs
+        ).logits[:, -1]
         next_position = next_position + 1
 
 
@@ -275,7 +281,13 @@ def assert_identical(new, ref, path: str = "packed") -> None:
         assert type(new) is type(ref) and new == ref, (path, new, ref)
 
 
-def random_groups(rng: random.Random, n_groups: int, prompt_len: tuple[int, int], group_size: tuple[int, int], completion_len: tuple[int, int]):
+def random_groups(
+    rng: random.Random,
+    n_groups: int,
+    prompt_len: tuple[int, int],
+    group_size: tuple[int, int],
+    completion_len: tuple[int, int],
+):
     groups = []
     for _ in range(n_groups):
         prompt = [rng.randrange(1, 50) for _ in range(rng.randint(*prompt_len))]
@@ -351,7 +363,9 @@ def test_pack_errors_unchanged():
 # ------------------------------------------------------------------------------------------------------
 # collate
 # ------------------------------------------------------------------------------------------------------
-def random_trajectories(rng: random.Random, n_prompts: int, group_size: int, prompt_len: tuple[int, int]) -> list[Trajectory]:
+def random_trajectories(
+    rng: random.Random, n_prompts: int, group_size: int, prompt_len: tuple[int, int]
+) -> list[Trajectory]:
     out = []
     for p in range(n_prompts):
         prompt = [rng.randrange(1, 50) for _ in range(rng.randint(*prompt_len))]
@@ -359,10 +373,18 @@ def random_trajectories(rng: random.Random, n_prompts: int, group_size: int, pro
             completion = [rng.randrange(1, 50) for _ in range(rng.randint(1, 6))]
             out.append(
                 Trajectory(
-                    prompt_id=100 + p, sample_index=s, version=2, prompt_tokens=list(prompt), completion_tokens=completion,
-                    rollout_logprobs=[-rng.expovariate(0.7) for _ in completion], reward=rng.random(),
-                    advantage=rng.gauss(0, 1), truncated=rng.random() < 0.2, shaped_reward=rng.random(),
-                    correct=rng.random() < 0.5, zero_variance=rng.random() < 0.1,
+                    prompt_id=100 + p,
+                    sample_index=s,
+                    version=2,
+                    prompt_tokens=list(prompt),
+                    completion_tokens=completion,
+                    rollout_logprobs=[-rng.expovariate(0.7) for _ in completion],
+                    reward=rng.random(),
+                    advantage=rng.gauss(0, 1),
+                    truncated=rng.random() < 0.2,
+                    shaped_reward=rng.random(),
+                    correct=rng.random() < 0.5,
+                    zero_variance=rng.random() < 0.1,
                 )
             )
     rng.shuffle(out)  # arrival order: collate groups siblings together
@@ -380,9 +402,13 @@ def test_collate_rollout_logprobs_identical(seed, packing):
     for t in trajectories:
         by_prompt.setdefault(t.prompt_id, []).append(t)
     ordered = [t for group in by_prompt.values() for t in group]
-    assert_identical(batch.rollout_logprobs, reference_rollout_logprobs(ordered, batch.completion_mask.shape), "rollout_logprobs")
+    assert_identical(
+        batch.rollout_logprobs, reference_rollout_logprobs(ordered, batch.completion_mask.shape), "rollout_logprobs"
+    )
     groups = [(g[0].prompt_tokens, [t.completion_tokens for t in g]) for g in by_prompt.values()]
-    assert_identical(batch.tokens, reference_pack(groups, 0, batch.tokens.attention is not None, max_row_tokens), "tokens")
+    assert_identical(
+        batch.tokens, reference_pack(groups, 0, batch.tokens.attention is not None, max_row_tokens), "tokens"
+    )
 
 
 def test_collate_rollout_logprobs_fallback_for_short_logprob_lists():
@@ -395,7 +421,9 @@ def test_collate_rollout_logprobs_fallback_for_short_logprob_lists():
     for t in trajectories:
         by_prompt.setdefault(t.prompt_id, []).append(t)
     ordered = [t for group in by_prompt.values() for t in group]
-    assert_identical(batch.rollout_logprobs, reference_rollout_logprobs(ordered, batch.completion_mask.shape), "rollout_logprobs")
+    assert_identical(
+        batch.rollout_logprobs, reference_rollout_logprobs(ordered, batch.completion_mask.shape), "rollout_logprobs"
+    )
 
 
 # ------------------------------------------------------------------------------------------------------
@@ -410,8 +438,10 @@ def sampling_model():
 def requests_for(rng: random.Random, n: int, group_size: int, vocab: int) -> list[GroupRequest]:
     return [
         GroupRequest(
-            prompt_id=pid, prompt_tokens=tuple(rng.randrange(4, vocab) for _ in range(rng.randint(1, 9))), 
-            version=0, seeds=tuple(sample_seed(rng.randrange(1000), 0, pid, s) for s in range(group_size)),
+            prompt_id=pid,
+            prompt_tokens=tuple(rng.randrange(4, vocab) for _ in range(rng.randint(1, 9))),
+            version=0,
+            seeds=tuple(sample_seed(rng.randrange(1000), 0, pid, s) for s in range(group_size)),
         )
         for pid in range(n)
     ]
@@ -443,7 +473,9 @@ def test_sample_groups_identical(params, group_size, noise_block, monkeypatch):
     for n_requests in (1, 6):
         requests = requests_for(rng, n_requests, group_size, vocab)
         new = as_records(sample_groups(model, requests, params, tokenizer.eos_token_id, tokenizer.pad_token_id))
-        ref = as_records(reference_sample_groups(model, requests, params, tokenizer.eos_token_id, tokenizer.pad_token_id))
+        ref = as_records(
+            reference_sample_groups(model, requests, params, tokenizer.eos_token_id, tokenizer.pad_token_id)
+        )
         assert new == ref
         assert sorted(r[0] for r in new) == list(range(n_requests))
 
@@ -455,5 +487,8 @@ def test_cpu_generator_block_draw_equals_step_draws(vocab):
     one, block = torch.Generator(), torch.Generator()
     one.manual_seed(vocab)
     block.manual_seed(vocab)
-    assert torch.equal(torch.stack([torch.rand(vocab, generator=one) for _ in range(steps)]), torch.rand((steps, vocab), generator=block))
+    assert torch.equal(
+        torch.stack([torch.rand(vocab, generator=one) for _ in range(steps)]),
+        torch.rand((steps, vocab), generator=block),
+    )
     assert torch.equal(torch.rand(vocab, generator=one), torch.rand(vocab, generator=block))

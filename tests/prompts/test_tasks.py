@@ -10,6 +10,7 @@ from lit_parl.tasks import CopyTask, ReverseTask, positional_reward
 def _ids(tok, text: str) -> tuple[int, ...]:
     return tuple(tok(text).input_ids)
 
+
 EOS = 1
 
 

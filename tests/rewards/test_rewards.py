@@ -13,7 +13,10 @@ import pytest
 
 from lit_parl.rewards import Reward, RewardError, ScoringPolicy, score_group
 
-SAMPLES = [{"completion": "4", "completion_ids": [7, 1], "answer": "4", "stopped": True}, {"completion": "5", "completion_ids": [8], "answer": "4", "stopped": False}]
+SAMPLES = [
+    {"completion": "4", "completion_ids": [7, 1], "answer": "4", "stopped": True},
+    {"completion": "5", "completion_ids": [8], "answer": "4", "stopped": False},
+]
 
 
 def exact(completion: str, answer: str) -> float:
@@ -27,7 +30,9 @@ def test_a_reward_gets_only_the_fields_it_names_and_is_weighted():
         seen.append(stopped)
         return stopped
 
-    scored = score_group([Reward(exact, weight=2.0), Reward(stopped_only, weight=0.5)], SAMPLES, ScoringPolicy(), prompt_id=0)
+    scored = score_group(
+        [Reward(exact, weight=2.0), Reward(stopped_only, weight=0.5)], SAMPLES, ScoringPolicy(), prompt_id=0
+    )
     assert seen == [True, False]
     assert scored.totals == [2.5, 0.0]
     assert scored.components == {"exact": [1.0, 0.0], "stopped_only": [1.0, 0.0]} and scored.failures == {}
@@ -89,11 +94,19 @@ def test_a_hanging_reward_times_out_under_either_policy(kind):
         release.wait(5)
         return [1.0] * len(completion)
 
-    fn = {"sync": Reward(hangs), "async": Reward(hangs_async, name="hangs"), "batched": Reward(hangs_batched, name="hangs", batched=True)}[kind]
+    fn = {
+        "sync": Reward(hangs),
+        "async": Reward(hangs_async, name="hangs"),
+        "batched": Reward(hangs_batched, name="hangs", batched=True),
+    }[kind]
     start = time.monotonic()
-    with pytest.raises(RewardError, match=r"reward 'hangs' timed out after 0.2 s on prompt 9, sample 0; set scoring.on_error=score"):
+    with pytest.raises(
+        RewardError, match=r"reward 'hangs' timed out after 0.2 s on prompt 9, sample 0; set scoring.on_error=score"
+    ):
         score_group([fn], SAMPLES, ScoringPolicy(timeout_s=0.2), prompt_id=9)
-    scored = score_group([fn, Reward(exact)], SAMPLES, ScoringPolicy(timeout_s=0.2, on_error="score", error_score=-1.0), prompt_id=9)
+    scored = score_group(
+        [fn, Reward(exact)], SAMPLES, ScoringPolicy(timeout_s=0.2, on_error="score", error_score=-1.0), prompt_id=9
+    )
     release.set()
     assert time.monotonic() - start < 2.0
     assert scored.totals == [0.0, -1.0]  # -1 for the hung reward, plus the exact match
@@ -109,7 +122,10 @@ def test_raising_and_non_finite_values_follow_the_policy():
     def nan_on_five(completion):
         return math.nan if completion == "5" else 1.0
 
-    with pytest.raises(RewardError, match=r"(?s)reward 'flaky' raised ConnectionError: sandbox unreachable on prompt 3, sample 1.*Traceback"):
+    with pytest.raises(
+        RewardError,
+        match=r"(?s)reward 'flaky' raised ConnectionError: sandbox unreachable on prompt 3, sample 1.*Traceback",
+    ):
         score_group([Reward(flaky)], SAMPLES, ScoringPolicy(), prompt_id=3)
     with pytest.raises(RewardError, match=r"reward 'nan_on_five' returned a non-finite value"):
         score_group([Reward(nan_on_five)], SAMPLES, ScoringPolicy(), prompt_id=3)
@@ -197,7 +213,11 @@ def test_a_reward_config_that_cannot_be_imported_names_it(tmp_path):
 
     from lit_parl.cli import build
 
-    overrides = ["+reward.mine._target_=lit_parl.rewards.Reward", "+reward.mine.fn=no_such_module.exact", f"run_dir={tmp_path}"]
+    overrides = [
+        "+reward.mine._target_=lit_parl.rewards.Reward",
+        "+reward.mine.fn=no_such_module.exact",
+        f"run_dir={tmp_path}",
+    ]
     with initialize_config_module(config_module="lit_parl.conf", version_base="1.3"):
         cfg = compose(config_name="config", overrides=overrides)
     with pytest.raises(Exception, match=r"cannot import module 'no_such_module'"):

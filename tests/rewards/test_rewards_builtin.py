@@ -278,7 +278,10 @@ def test_countdown_rows_are_solvable_and_a_solution_scores_one():
         metadata = task.row(i).metadata
         expression = solve(metadata["numbers"], metadata["target"])
         assert expression is not None, metadata
-        assert score(countdown_reward, completion=f"<think>...</think><answer>{expression}</answer>", metadata=metadata) == 1.0
+        assert (
+            score(countdown_reward, completion=f"<think>...</think><answer>{expression}</answer>", metadata=metadata)
+            == 1.0
+        )
 
 
 def test_countdown_reward_has_no_power_operator():
@@ -337,12 +340,18 @@ def test_countdown_reward_refuses_an_expression_past_its_length_limit():
 
 def test_countdown_reward_never_executes_the_completion(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    for expression in ["__import__('os').system('touch pwned')", "open('pwned', 'w').write('x')", "exec('open(\"pwned\", \"w\")')"]:
+    for expression in [
+        "__import__('os').system('touch pwned')",
+        "open('pwned', 'w').write('x')",
+        'exec(\'open("pwned", "w")\')',
+    ]:
         assert score(countdown_reward, completion=f"<answer>{expression}</answer>", metadata=METADATA) == 0.0
     assert not (tmp_path / "pwned").exists()
 
 
-@pytest.mark.parametrize("metadata", [{}, {"numbers": [1, 2]}, {"numbers": "abc", "target": 3}, {"numbers": [1, 2], "target": None}])
+@pytest.mark.parametrize(
+    "metadata", [{}, {"numbers": [1, 2]}, {"numbers": "abc", "target": 3}, {"numbers": [1, 2], "target": None}]
+)
 def test_countdown_reward_names_missing_metadata(metadata):
     with pytest.raises(ValueError, match="countdown_reward needs metadata 'numbers'"):
         score(countdown_reward, completion="<answer>1 + 2</answer>", metadata=metadata)

@@ -8,8 +8,8 @@ import math
 
 import pytest
 import torch
-from helpers.sampling_references import completion_logprobs_reference
 
+from helpers.sampling_references import completion_logprobs_reference
 from lit_parl.rollout.records import GroupRequest, SamplingParams, sample_seed
 from lit_parl.rollout.sampling import filter_logits, sample_groups
 
@@ -44,8 +44,11 @@ def _sample(model, tok, requests, sampling):
 def _seeds(prompt_id: int, group_size: int, base: int = 0, version: int = 0) -> tuple[int, ...]:
     return tuple(sample_seed(base, version, prompt_id, s) for s in range(group_size))
 
+
 def test_sample_seed_distinct_and_in_range():
-    seeds = [sample_seed(0, version, prompt, sample) for version in range(3) for prompt in range(64) for sample in range(16)]
+    seeds = [
+        sample_seed(0, version, prompt, sample) for version in range(3) for prompt in range(64) for sample in range(16)
+    ]
     assert len(set(seeds)) == len(seeds) == 3 * 64 * 16
     assert all(0 <= s < 2**63 for s in seeds)
     # another run seed gives other seeds
@@ -86,7 +89,12 @@ def test_sample_groups_logprobs_match_full_forward(model, tok, sampling):
         for completion, logprobs in zip(group.completions, group.logprobs):
             assert len(completion) == len(logprobs) >= 1
             expected = completion_logprobs_reference(model, request.prompt_tokens, completion, sampling.temperature)
-            torch.testing.assert_close(torch.tensor(logprobs, dtype=torch.float64), torch.tensor(expected, dtype=torch.float64), atol=1e-5, rtol=0)
+            torch.testing.assert_close(
+                torch.tensor(logprobs, dtype=torch.float64),
+                torch.tensor(expected, dtype=torch.float64),
+                atol=1e-5,
+                rtol=0,
+            )
             checked += len(completion)
     assert checked >= len(PROMPTS) * 3  # something was really compared
 
@@ -203,7 +211,9 @@ def test_sample_groups_empirical_distribution(peaked_model, tok):
     inside = sorted(float(probs[i]) for i in nucleus)
     assert sum(inside) - inside[0] < top_p - 1e-3 < top_p + 1e-3 < sum(inside)  # not on a rounding edge
     assert 1 < len(nucleus) < len(probs) // 2  # a non-trivial nucleus
-    freq = _empirical(peaked_model, tok, prompt, SamplingParams(max_new_tokens=1, temperature=temperature, top_p=top_p), n)
+    freq = _empirical(
+        peaked_model, tok, prompt, SamplingParams(max_new_tokens=1, temperature=temperature, top_p=top_p), n
+    )
     assert set(freq.nonzero().flatten().tolist()) <= nucleus
     expected = torch.zeros_like(probs)
     expected[list(nucleus)] = probs[list(nucleus)] / probs[list(nucleus)].sum()
@@ -233,7 +243,10 @@ def _naive_filter_keep(row: list[float], top_k: int, top_p: float) -> list[bool]
     return keep
 
 
-@pytest.mark.parametrize("top_k, top_p", [(0, 1.0), (1, 1.0), (3, 1.0), (17, 1.0), (100, 1.0), (0, 0.5), (0, 0.9), (0, 1e-4), (5, 0.7), (10, 0.95)])
+@pytest.mark.parametrize(
+    "top_k, top_p",
+    [(0, 1.0), (1, 1.0), (3, 1.0), (17, 1.0), (100, 1.0), (0, 0.5), (0, 0.9), (0, 1e-4), (5, 0.7), (10, 0.95)],
+)
 def test_filter_logits_matches_naive(top_k, top_p):
     generator = torch.Generator().manual_seed(1234 + top_k)
     logits = torch.randn(32, 40, generator=generator) * 2.0
@@ -254,7 +267,14 @@ def test_filter_logits_matches_naive(top_k, top_p):
 
 
 def test_sampling_params_validation():
-    for kwargs in ({"max_new_tokens": 0}, {"temperature": -1.0}, {"top_p": 0.0}, {"top_p": 1.5}, {"stop": [""]}, {"top_k": -1}):
+    for kwargs in (
+        {"max_new_tokens": 0},
+        {"temperature": -1.0},
+        {"top_p": 0.0},
+        {"top_p": 1.5},
+        {"stop": [""]},
+        {"top_k": -1},
+    ):
         with pytest.raises(ValueError):
             SamplingParams(**kwargs)
     assert SamplingParams(temperature=0.0).greedy and SamplingParams(stop="</a>").stop == ("</a>",)

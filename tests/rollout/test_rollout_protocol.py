@@ -7,10 +7,9 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
+from helpers.components import fit, make_components
 from lit_parl.rollout import PoolHealth, PoolSpec, RolloutPool
 from lit_parl.rollout.records import GroupCompletions, GroupRequest, SamplingParams
-
-from helpers.components import fit, make_components
 
 
 class FromDocstringsPool(RolloutPool):
@@ -49,7 +48,7 @@ class FromDocstringsPool(RolloutPool):
                     values.append(float(logp[token]))
                     if token in (self.eos_id, *sampling.stop_token_ids):
                         break
-                completion = tokens[len(request.prompt_tokens):]
+                completion = tokens[len(request.prompt_tokens) :]
                 completions.append(completion)
                 logprobs.append(values)
                 reasons.append("stop" if completion[-1] in (self.eos_id, *sampling.stop_token_ids) else "length")
@@ -111,12 +110,15 @@ def _requests(version: int) -> list[GroupRequest]:
     return [GroupRequest(prompt_id=i, prompt_tokens=(4, 5, 41), version=version, seeds=(1, 2)) for i in range(3)]
 
 
-@pytest.mark.parametrize("fault, message", [
-    ("unrequested", "returned prompt_id 999, which was not requested or already returned"),
-    ("twice", "returned prompt_id 0, which was not requested or already returned"),
-    ("missing", r"ended its stream with prompts \[2\]"),
-    ("samples", r"returned samples \[0, 0\] for prompt 0"),
-])
+@pytest.mark.parametrize(
+    "fault, message",
+    [
+        ("unrequested", "returned prompt_id 999, which was not requested or already returned"),
+        ("twice", "returned prompt_id 0, which was not requested or already returned"),
+        ("missing", r"ended its stream with prompts \[2\]"),
+        ("samples", r"returned samples \[0, 0\] for prompt 0"),
+    ],
+)
 def test_the_base_refuses_what_a_backend_should_not_return(spec, fault, message):
     model_spec, policy = spec
     pool = Misbehaving(fault)

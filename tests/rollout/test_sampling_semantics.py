@@ -23,14 +23,13 @@ from dataclasses import replace
 import pytest
 import torch
 
+from helpers.sampling_references import argmax_loop, filtered_distribution, first_stop
 from lit_parl.kernels.forward import completion_logprobs
 from lit_parl.kernels.packing import pack
 from lit_parl.models import tiny_qwen2
+from lit_parl.rollout.records import GroupRequest, SamplingParams
 from lit_parl.rollout.sampling import sample_groups
 from lit_parl.rollout.stop_strings import StopStrings
-from lit_parl.rollout.records import GroupRequest, SamplingParams
-
-from helpers.sampling_references import argmax_loop, filtered_distribution, first_stop, stop_strings_for
 
 TEMPERATURE, TOP_K, TOP_P = 0.7, 6, 0.8
 
@@ -69,20 +68,29 @@ def test_logprobs_are_the_trainers_full_softmax_at_t_and_draws_stay_in_the_filte
     model, tokenizer = peaked
     sampling = SamplingParams(max_new_tokens=8, temperature=TEMPERATURE, top_k=TOP_K, top_p=TOP_P)
     asked = requests(tokenizer, group_size=4)
-    groups = {g.request.prompt_id: g for g in sample_groups(model, asked, sampling, tokenizer.eos_token_id, tokenizer.pad_token_id)}
+    groups = {
+        g.request.prompt_id: g
+        for g in sample_groups(model, asked, sampling, tokenizer.eos_token_id, tokenizer.pad_token_id)
+    }
 
     full_gap, filtered_gap, cut = 0.0, 0.0, 0
     for request in asked:
         group = groups[request.prompt_id]
-        packed = pack([(list(request.prompt_tokens), group.completions)], pad_id=tokenizer.pad_token_id, shared_prompt=True)
+        packed = pack(
+            [(list(request.prompt_tokens), group.completions)], pad_id=tokenizer.pad_token_id, shared_prompt=True
+        )
         with torch.no_grad():
             trainer = completion_logprobs(model, packed, TEMPERATURE)
         for row, (completion, logprobs) in enumerate(zip(group.completions, group.logprobs)):
             reported = torch.tensor(logprobs, dtype=torch.float64)
             full_gap = max(full_gap, (reported - trainer[row, : len(completion)].double()).abs().max().item())
-            for t, (token, logits) in enumerate(zip(completion, next_token_logits(model, request.prompt_tokens, completion))):
+            for t, (token, logits) in enumerate(
+                zip(completion, next_token_logits(model, request.prompt_tokens, completion))
+            ):
                 kept = filtered_distribution(logits, TEMPERATURE, TOP_K, TOP_P)
-                assert token in kept, f"prompt {request.prompt_id} drew token {token} at step {t}, outside the filtered set {sorted(kept)}"
+                assert token in kept, (
+                    f"prompt {request.prompt_id} drew token {token} at step {t}, outside the filtered set {sorted(kept)}"
+                )
                 filtered_gap = max(filtered_gap, abs(reported[t].item() - torch.tensor(kept[token]).log().item()))
                 cut += len(kept) < TOP_K
     assert full_gap < 1e-5, f"the sampler's log-probs are not the trainer's full softmax at T (max gap {full_gap:.2e})"
@@ -101,7 +109,9 @@ def test_draws_follow_the_filtered_distribution_at_t(peaked):
     drawn = torch.tensor([c[0] for c in group.completions])
     frequency = {t: (drawn == t).double().mean().item() for t in set(drawn.tolist()) | set(expected)}
     distance = 0.5 * sum(abs(frequency[t] - expected.get(t, 0.0)) for t in frequency)
-    assert distance < 0.03, f"total variation {distance:.3f} between the draws {frequency} and the filtered distribution {expected}"
+    assert distance < 0.03, (
+        f"total variation {distance:.3f} between the draws {frequency} and the filtered distribution {expected}"
+    )
 
 
 def test_a_negative_top_k_is_refused():
@@ -115,19 +125,34 @@ def test_a_negative_top_k_is_refused():
 STOP_SAMPLING = SamplingParams(max_new_tokens=16, temperature=0.7, top_k=6, top_p=0.8, stop_token_ids=(13,))
 # what the sampler drew for requests(tiny_qwen2(seed=0) tokenizer, 4) at STOP_SAMPLING before stop strings existed
 BEFORE_STOP_STRINGS = {
-    0: [[15, 15, 15, 49, 49, 18, 18, 18, 28, 49, 49, 49, 49, 18, 18, 52], [52, 9, 6, 15, 49, 49, 49, 52, 48, 48, 48, 48, 48, 29, 46, 29],
-        [52, 52, 52, 52, 11, 11, 11, 26, 26, 32, 32, 32, 32, 11, 11, 11], [49, 18, 2, 18, 18, 2, 2, 2, 2, 2, 32, 13]],
-    1: [[52, 48, 48, 23, 23, 23, 13], [27, 19, 19, 19, 27, 28, 28, 27, 49, 49, 52, 48, 49, 49, 18, 49],
-        [19, 27, 19, 19, 19, 50, 50, 50, 19, 27, 28, 20, 20, 40, 13], [45, 45, 39, 39, 39, 39, 45, 45, 45, 45, 43, 43, 19, 19, 30, 19]],
-    2: [[5, 5, 42, 45, 40, 40, 51, 51, 51, 43, 17, 17, 50, 50, 50, 50], [9, 9, 9, 28, 21, 21, 10, 43, 19, 19, 40, 40, 40, 13],
-        [9, 9, 27, 17, 19, 17, 17, 17, 17, 42, 42, 17, 13], [40, 42, 42, 45, 45, 45, 31, 24, 19, 50, 19, 19, 50, 17, 17, 50]],
+    0: [
+        [15, 15, 15, 49, 49, 18, 18, 18, 28, 49, 49, 49, 49, 18, 18, 52],
+        [52, 9, 6, 15, 49, 49, 49, 52, 48, 48, 48, 48, 48, 29, 46, 29],
+        [52, 52, 52, 52, 11, 11, 11, 26, 26, 32, 32, 32, 32, 11, 11, 11],
+        [49, 18, 2, 18, 18, 2, 2, 2, 2, 2, 32, 13],
+    ],
+    1: [
+        [52, 48, 48, 23, 23, 23, 13],
+        [27, 19, 19, 19, 27, 28, 28, 27, 49, 49, 52, 48, 49, 49, 18, 49],
+        [19, 27, 19, 19, 19, 50, 50, 50, 19, 27, 28, 20, 20, 40, 13],
+        [45, 45, 39, 39, 39, 39, 45, 45, 45, 45, 43, 43, 19, 19, 30, 19],
+    ],
+    2: [
+        [5, 5, 42, 45, 40, 40, 51, 51, 51, 43, 17, 17, 50, 50, 50, 50],
+        [9, 9, 9, 28, 21, 21, 10, 43, 19, 19, 40, 40, 40, 13],
+        [9, 9, 27, 17, 19, 17, 17, 17, 17, 42, 42, 17, 13],
+        [40, 42, 42, 45, 45, 45, 31, 24, 19, 50, 19, 19, 50, 17, 17, 50],
+    ],
 }
 
 
 def sampled(model, tokenizer, sampling: SamplingParams, seeds_offset: int = 0) -> dict[int, tuple]:
     asked = requests(tokenizer, group_size=4)
     if seeds_offset:
-        asked = [GroupRequest(r.prompt_id, r.prompt_tokens, r.version, tuple(s + seeds_offset for s in r.seeds)) for r in asked]
+        asked = [
+            GroupRequest(r.prompt_id, r.prompt_tokens, r.version, tuple(s + seeds_offset for s in r.seeds))
+            for r in asked
+        ]
     groups = sample_groups(model, asked, sampling, tokenizer.eos_token_id, tokenizer.pad_token_id, tokenizer)
     return {g.request.prompt_id: (g.completions, g.logprobs, g.finish_reasons) for g in groups}
 
@@ -156,7 +181,9 @@ def test_a_stop_string_ends_a_sample_at_the_token_that_completes_it():
             if t is None:  # untouched: the same tokens, log-probs and reason
                 assert (got_completions[k], got_reasons[k]) == (completion, reasons[k])
             else:
-                assert got_completions[k] == completion[: t + 1], f"prompt {prompt_id} sample {k}: {tokenizer.decode(got_completions[k])!r}"
+                assert got_completions[k] == completion[: t + 1], (
+                    f"prompt {prompt_id} sample {k}: {tokenizer.decode(got_completions[k])!r}"
+                )
                 assert got_reasons[k] == "stop"
                 cut_at.append((prompt_id, t))
             # the same draws; a batch that shrinks as groups stop computes in other shapes: float32 rounding apart
@@ -167,8 +194,18 @@ def test_a_stop_string_ends_a_sample_at_the_token_that_completes_it():
 
 def test_stop_strings_need_the_tokenizer():
     model, tokenizer = tiny_qwen2(seed=0)
-    with pytest.raises(ValueError, match=r"sampling.stop=\('\?\?',\) needs the tokenizer .* sample_groups\(tokenizer=...\)"):
-        list(sample_groups(model, requests(tokenizer, 2), SamplingParams(stop=("??",)), tokenizer.eos_token_id, tokenizer.pad_token_id))
+    with pytest.raises(
+        ValueError, match=r"sampling.stop=\('\?\?',\) needs the tokenizer .* sample_groups\(tokenizer=...\)"
+    ):
+        list(
+            sample_groups(
+                model,
+                requests(tokenizer, 2),
+                SamplingParams(stop=("??",)),
+                tokenizer.eos_token_id,
+                tokenizer.pad_token_id,
+            )
+        )
 
 
 def multi_char_tokenizer():
@@ -180,7 +217,9 @@ def multi_char_tokenizer():
     vocab = ["<pad>", "<eos>", "<unk>", "<sep>", "a", "b", "c", " ", "ab", "bc", "ca", "abc", "c a", "é"]
     backend = Tokenizer(models.WordLevel({t: i for i, t in enumerate(vocab)}, unk_token="<unk>"))
     backend.decoder = decoders.Fuse()
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="<pad>", eos_token="<eos>", unk_token="<unk>")
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=backend, pad_token="<pad>", eos_token="<eos>", unk_token="<unk>"
+    )
     tokenizer.add_special_tokens({"additional_special_tokens": ["<sep>"]})
     return tokenizer, len(vocab)
 
@@ -202,7 +241,10 @@ def test_the_matcher_finds_the_first_prefix_that_contains_a_stop_string(fast):
     for trial in range(60):
         rows, length = 5, 12
         sequences = torch.randint(3, vocab, (rows, length), generator=generator).tolist()
-        stop = tuple("".join(alphabet[i] for i in torch.randint(0, len(alphabet), (n,), generator=generator).tolist()) for n in (2, 3, 4))
+        stop = tuple(
+            "".join(alphabet[i] for i in torch.randint(0, len(alphabet), (n,), generator=generator).tolist())
+            for n in (2, 3, 4)
+        )
         matcher = StopStrings(tokenizer if fast else DecodeOnly(tokenizer), stop, rows)
         expected = [first_stop(tokenizer, sequence, stop) for sequence in sequences]
         got: list[int | None] = [None] * rows
@@ -259,10 +301,14 @@ def test_the_hf_pool_matches_stop_strings_with_the_model_directorys_tokenizer(tm
             pool.sync_weights([list(model.named_parameters())], version=0)
             asked = requests(tokenizer, group_size=4)
             if fails:
-                with pytest.raises(RuntimeError, match=r"sampling.stop=.* but the model directory .*bare' holds no tokenizer"):
+                with pytest.raises(
+                    RuntimeError, match=r"sampling.stop=.* but the model directory .*bare' holds no tokenizer"
+                ):
                     list(pool.generate(asked, replace(STOP_SAMPLING, stop=stop)))
                 continue
             groups = {g.prompt_id: g for g in pool.generate(asked, replace(STOP_SAMPLING, stop=stop))}
-            assert {i: (g.completions, g.finish_reasons) for i, g in groups.items()} == {i: (c, r) for i, (c, _, r) in expected.items()}
+            assert {i: (g.completions, g.finish_reasons) for i, g in groups.items()} == {
+                i: (c, r) for i, (c, _, r) in expected.items()
+            }
         finally:
             pool.close()

@@ -24,23 +24,23 @@ from hydra import compose, initialize_config_module
 from hydra.utils import instantiate
 from omegaconf.errors import MissingMandatoryValue
 
+from helpers.sampling_references import argmax_loop, filtered_distribution, stop_strings_for
 from lit_parl.models import tiny_qwen2
 from lit_parl.rollout import PoolSpec
+from lit_parl.rollout.records import GroupCompletions, GroupRequest, SamplingParams, sample_seed
+from lit_parl.rollout.sampling import sample_groups
 from lit_parl.rollout.sglang import (
     LaunchSettings,
     MalformedResponse,
     RequestSettings,
     RouterSettings,
-    SGLangRolloutPool,
     ServerSettings,
+    SGLangRolloutPool,
     SyncSettings,
 )
-from lit_parl.rollout.sampling import sample_groups
 from lit_parl.rollout.sglang.messages import Ends, parse_group
 from lit_parl.rollout.sglang.servers import server_command
 from lit_parl.tasks import CopyTask
-from lit_parl.rollout.records import GroupCompletions, GroupRequest, SamplingParams, sample_seed
-from helpers.sampling_references import argmax_loop, filtered_distribution, stop_strings_for
 
 pytest.importorskip("aiohttp")
 
@@ -81,12 +81,14 @@ def requests_for(version: int, prompts: int = 4, group_size: int = 4, first: int
     out = []
     for prompt_id in range(first, first + prompts):
         text, answer = task.make(prompt_id)
-        out.append(GroupRequest(
-            prompt_id=prompt_id,
-            prompt_tokens=tuple(tokenizer(text, add_special_tokens=False).input_ids),
-            version=version,
-            seeds=tuple(sample_seed(0, version, prompt_id, s) for s in range(group_size)),
-        ))
+        out.append(
+            GroupRequest(
+                prompt_id=prompt_id,
+                prompt_tokens=tuple(tokenizer(text, add_special_tokens=False).input_ids),
+                version=version,
+                seeds=tuple(sample_seed(0, version, prompt_id, s) for s in range(group_size)),
+            )
+        )
     return out
 
 
@@ -133,8 +135,11 @@ def launch_standin(model_dir: Path, *flags: str, deterministic: bool = True) -> 
     """A stand-in server to attach to; ``deterministic``: started as the pool starts its own (seeds honoured)."""
     port = free_port()
     flags = (*flags, "--enable-deterministic-inference") if deterministic else flags
-    process = subprocess.Popen([*STANDIN, "--model-path", str(model_dir), "--port", str(port), *flags],
-                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    process = subprocess.Popen(
+        [*STANDIN, "--model-path", str(model_dir), "--port", str(port), *flags],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
@@ -312,6 +317,7 @@ def test_seeds_hold_only_on_servers_with_deterministic_inference_and_an_attached
             pool.start(spec)
         try:
             pool.sync_weights(buckets(model), version=0)
+
             def drawn() -> list[tuple[int, ...]]:
                 return sorted(tuple(c) for g in pool.generate(requests_for(0), SAMPLING) for c in g.completions)
 
@@ -478,8 +484,14 @@ def test_parse_checks_every_field():
     def output(tokens, version="0", reason=None):
         if reason is None:
             reason = {"type": "length", "length": 3} if len(tokens) == 3 else {"type": "stop", "matched": tokens[-1]}
-        return {"output_ids": tokens, "meta_info": {"output_token_logprobs": [[-0.5, t, None] for t in tokens],
-                                                    "finish_reason": reason, "weight_version": version}}
+        return {
+            "output_ids": tokens,
+            "meta_info": {
+                "output_token_logprobs": [[-0.5, t, None] for t in tokens],
+                "finish_reason": reason,
+                "weight_version": version,
+            },
+        }
 
     a, b = tokenizer.convert_tokens_to_ids(["a", "b"])
     group = parse([output([5, 2]), output([7, 8, 10])], "u")
@@ -583,6 +595,7 @@ def test_the_standin_answers_and_refuses_as_sglang_does(saved_model):
         assert post(url, {}, seed)[1]["meta_info"]["finish_reason"] == {"type": "length", "length": 6}
         _, tokenizer = tiny_qwen2()
         text = tokenizer.decode(tokens[:3], skip_special_tokens=True)
+
         def finish(params: dict) -> dict:
             return post(url, params, seed)[1]["meta_info"]["finish_reason"]
 
@@ -613,7 +626,10 @@ def test_the_standin_answers_and_refuses_as_sglang_does(saved_model):
 # the configuration: conf/pool/sglang.yaml and the SGLang experiments build the pool's settings
 # ------------------------------------------------------------------------------------------------------
 SETTINGS = {
-    "servers": ServerSettings, "launch": LaunchSettings, "router": RouterSettings, "sync": SyncSettings,
+    "servers": ServerSettings,
+    "launch": LaunchSettings,
+    "router": RouterSettings,
+    "sync": SyncSettings,
     "requests": RequestSettings,
 }
 
@@ -663,10 +679,17 @@ def test_training_through_the_sglang_pool(tmp_path, monkeypatch):
     import lit_parl.cli as cli
 
     cfg = compose_config(
-        "pool=sglang", "iterations=3", f"run_dir={tmp_path}", "checkpoint_every=0",
-        "shape.prompts=8", "shape.micro_batch_size=16",
-        "pool.launch.num_servers=2", f"pool.launch.port={free_port(2)}", "pool.sync.method=tensor",
-        f"pool.launch.command=[{STANDIN[0]},{STANDIN[1]}]", "pool.launch.start_timeout_s=120",
+        "pool=sglang",
+        "iterations=3",
+        f"run_dir={tmp_path}",
+        "checkpoint_every=0",
+        "shape.prompts=8",
+        "shape.micro_batch_size=16",
+        "pool.launch.num_servers=2",
+        f"pool.launch.port={free_port(2)}",
+        "pool.sync.method=tensor",
+        f"pool.launch.command=[{STANDIN[0]},{STANDIN[1]}]",
+        "pool.launch.start_timeout_s=120",
     )
     built = {}
     real_build = cli.build
@@ -688,8 +711,18 @@ def test_training_through_the_sglang_pool(tmp_path, monkeypatch):
 def test_the_gpu_check_sglang_section_runs_its_sequence_against_the_standin(tmp_path):
     """gpu_check/gpu_check_sglang.py (for GPU boxes with sglang) exercised here with the stand-in."""
     script = Path(__file__).resolve().parents[2] / "gpu_check" / "gpu_check_sglang.py"
-    command = [sys.executable, str(script), "--out", str(tmp_path), "--launch-command", *STANDIN, "--tolerance", "1e-4",
-               "--dtype", "float32"]
+    command = [
+        sys.executable,
+        str(script),
+        "--out",
+        str(tmp_path),
+        "--launch-command",
+        *STANDIN,
+        "--tolerance",
+        "1e-4",
+        "--dtype",
+        "float32",
+    ]
     done = subprocess.run(command, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     records = {r["check"]: r for r in map(json.loads, (tmp_path / "gpu_check.jsonl").read_text().splitlines())}
@@ -909,8 +942,9 @@ def test_closing_the_pool_destroys_the_servers_side_of_the_weight_update_group(s
     model, spec, model_dir = saved_model
     process, url = launch_standin(model_dir)
     body = json.dumps({"group_name": "lit_parl_weight_update"}).encode()
-    destroy = urllib.request.Request(url + "/destroy_weights_update_group", data=body,
-                                     headers={"Content-Type": "application/json"}, method="POST")
+    destroy = urllib.request.Request(
+        url + "/destroy_weights_update_group", data=body, headers={"Content-Type": "application/json"}, method="POST"
+    )
     try:
         for version in range(2):  # two trainers in turn
             pool = attached([url], "distributed")
@@ -973,8 +1007,13 @@ def test_launched_servers_get_their_gpus_as_the_trainer_numbers_them(spec, tmp_p
     )
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3,5,7")
     port = free_port(2)
-    launch = {"command": [sys.executable, str(launcher), str(tmp_path)], "num_servers": 2, "gpu_ids": [[2], [0]],
-              "port": port, "start_timeout_s": 60}
+    launch = {
+        "command": [sys.executable, str(launcher), str(tmp_path)],
+        "num_servers": 2,
+        "gpu_ids": [[2], [0]],
+        "port": port,
+        "start_timeout_s": 60,
+    }
     pool = SGLangRolloutPool(launch=launch)
     try:
         with pytest.raises(RuntimeError, match="exited with code 3 while starting"):

@@ -23,15 +23,13 @@ import pytest
 import torch
 from lightning.pytorch import Callback
 
+from helpers.components import fit, make_components, policy_state
+from helpers.pools import WrappedPool
 from lit_parl.rollout import HFRolloutPool, PoolSpec
 from lit_parl.rollout.hf_pool import HFEngine
 from lit_parl.rollout.processes import process_table
 from lit_parl.rollout.records import GroupCompletions, GroupRequest, SamplingParams
 from lit_parl.rollout.spawned_worker_pool import SpawnedWorkerPool
-
-from helpers.components import fit, make_components, policy_state
-
-from helpers.pools import WrappedPool
 
 ITERATIONS = 2
 PROMPTS, GROUP = 8, 4
@@ -104,8 +102,12 @@ class FloodEngine:
     def sample(self, requests, sampling, version):
         for r in requests:
             yield GroupCompletions(
-                r.prompt_id, version, list(range(r.group_size)), [list(range(s, s + self.length)) for s in r.seeds],
-                [[-1.0] * self.length for _ in r.seeds], ["length"] * r.group_size,
+                r.prompt_id,
+                version,
+                list(range(r.group_size)),
+                [list(range(s, s + self.length)) for s in r.seeds],
+                [[-1.0] * self.length for _ in r.seeds],
+                ["length"] * r.group_size,
             )
 
 
@@ -223,8 +225,12 @@ class TrainedSamples(Callback):
 def _train(pool: FaultPool, callbacks=(), prefetch: bool = False) -> dict:
     """Fits; returns the final weights and every group as trained, by (version, prompt id)."""
     module, data = make_components(
-        pool=pool, prompts=PROMPTS, group_size=GROUP, micro_batch_size=8,
-        optimizer=functools.partial(torch.optim.SGD, lr=0.5), max_grad_norm=None,
+        pool=pool,
+        prompts=PROMPTS,
+        group_size=GROUP,
+        micro_batch_size=8,
+        optimizer=functools.partial(torch.optim.SGD, lr=0.5),
+        max_grad_norm=None,
     )
     data.prefetch = prefetch  # on: each iteration's groups are consumed (and workers replaced) on a thread of its own
     fit(module, data, ITERATIONS, callbacks=callbacks)

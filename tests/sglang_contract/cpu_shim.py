@@ -23,10 +23,10 @@ class _Placeholder:
     def __init__(self, *args, **kwargs) -> None:
         pass
 
-    def __call__(self, *args, **kwargs) -> "_Placeholder":
+    def __call__(self, *args, **kwargs) -> _Placeholder:
         return self
 
-    def __getattr__(self, name: str) -> "_Placeholder":
+    def __getattr__(self, name: str) -> _Placeholder:
         return _Placeholder()
 
     def __mro_entries__(self, bases) -> tuple[type, ...]:

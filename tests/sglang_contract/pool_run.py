@@ -27,9 +27,9 @@ import torch
 
 from lit_parl.models import tiny_qwen2
 from lit_parl.rollout import PoolSpec
+from lit_parl.rollout.records import GroupRequest, SamplingParams, sample_seed
 from lit_parl.rollout.sglang import SGLangRolloutPool, SyncSettings
 from lit_parl.rollout.sglang.client import HTTPClient
-from lit_parl.rollout.records import GroupRequest, SamplingParams, sample_seed
 from sglang_contract.sglang_side import ServerSide, Verdict
 
 STANDIN = [sys.executable, str(Path(__file__).resolve().parents[1] / "helpers" / "sglang_standin.py")]
@@ -82,8 +82,13 @@ class Run:
     phase: str = "start"  # what the run is doing now: each request is stamped with it
 
     def where(self, method: str | None = None, path: str | None = None, phase: str | None = None) -> list[Sent]:
-        return [s for s in self.sent if (method is None or s.method == method) and (path is None or s.path == path)
-                and (phase is None or s.phase == phase or s.phase.startswith(phase + ":"))]
+        return [
+            s
+            for s in self.sent
+            if (method is None or s.method == method)
+            and (path is None or s.path == path)
+            and (phase is None or s.phase == phase or s.phase.startswith(phase + ":"))
+        ]
 
 
 def free_port() -> int:
@@ -103,8 +108,12 @@ def save_model_dir(directory: Path) -> PoolSpec:
 def group_requests(version: int, prompts: int = 3) -> list[GroupRequest]:
     """Requests with the trainer's 63-bit seeds (``sample_seed``), as the datamodule makes them."""
     return [
-        GroupRequest(prompt_id=i, prompt_tokens=tuple(range(5 + i, 12 + i)), version=version,
-                     seeds=tuple(sample_seed(0, version, i, k) for k in range(GROUP_SIZE)))
+        GroupRequest(
+            prompt_id=i,
+            prompt_tokens=tuple(range(5 + i, 12 + i)),
+            version=version,
+            seeds=tuple(sample_seed(0, version, i, k) for k in range(GROUP_SIZE)),
+        )
         for i in range(prompts)
     ]
 

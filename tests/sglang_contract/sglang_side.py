@@ -49,8 +49,10 @@ def require_sglang() -> None:
             )
         import pytest
 
-        pytest.skip("sglang is not installed here; `make test-sglang` installs it in .venv-sglang and runs these tests",
-                    allow_module_level=True)
+        pytest.skip(
+            "sglang is not installed here; `make test-sglang` installs it in .venv-sglang and runs these tests",
+            allow_module_level=True,
+        )
     import_sglang()
 
 
@@ -224,8 +226,12 @@ class FrontEnd:
 
         tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
         self.stub = StubTokenizerManager(tokenizer, AutoConfig.from_pretrained(tokenizer_dir).vocab_size)
-        http_server.set_global_state(http_server._GlobalState(tokenizer_manager=self.stub, template_manager=None, scheduler_info={}))
-        self.client = TestClient(http_server.app, raise_server_exceptions=False)  # no `with`: no lifespan, no server start
+        http_server.set_global_state(
+            http_server._GlobalState(tokenizer_manager=self.stub, template_manager=None, scheduler_info={})
+        )
+        self.client = TestClient(
+            http_server.app, raise_server_exceptions=False
+        )  # no `with`: no lifespan, no server start
 
     def decide(self, method: str, path: str, body: Any) -> Verdict:
         import msgspec
@@ -238,9 +244,13 @@ class FrontEnd:
             if obj is not None:
                 verdict.request_class = type(obj).__name__
                 if isinstance(obj, msgspec.Struct):
-                    verdict.fields = {k: v for k, v in msgspec.structs.asdict(obj).items() if k != "serialized_named_tensors"}
+                    verdict.fields = {
+                        k: v for k, v in msgspec.structs.asdict(obj).items() if k != "serialized_named_tensors"
+                    }
                 else:  # GenerateReqInput is a dataclass
-                    verdict.fields = {k: getattr(obj, k) for k in ("input_ids", "text", "return_logprob", "stream", "rid")}
+                    verdict.fields = {
+                        k: getattr(obj, k) for k in ("input_ids", "text", "return_logprob", "stream", "rid")
+                    }
             if params is not None:
                 verdict.sampling = msgspec.structs.asdict(params)
             verdict.ranks = list(ranks)

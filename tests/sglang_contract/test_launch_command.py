@@ -58,8 +58,13 @@ def test_launched_servers_get_arguments_sglang_parses_into_the_intended_server_a
     script.write_text(WRITE_DOWN)
     port = free_port()
     launch = LaunchSettings(
-        command=[sys.executable, str(script), str(tmp_path)], num_servers=2, port=port, gpu_ids=[4, 5, 6, 7],
-        mem_fraction_static=0.55, args=["--random-seed", "7"], start_timeout_s=60,
+        command=[sys.executable, str(script), str(tmp_path)],
+        num_servers=2,
+        port=port,
+        gpu_ids=[4, 5, 6, 7],
+        mem_fraction_static=0.55,
+        args=["--random-seed", "7"],
+        start_timeout_s=60,
     )
     pool = SGLangRolloutPool(servers={"tp_size": 2}, launch=launch)
     try:

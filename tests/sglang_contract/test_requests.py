@@ -47,7 +47,9 @@ ROUTES = {
 
 
 def test_the_installed_sglang_is_the_pinned_one():
-    assert SGLANG_VERSION == pinned_version("sglang"), "the checks of this directory are of the pinned SGLang; update them with the pin"
+    assert SGLANG_VERSION == pinned_version("sglang"), (
+        "the checks of this directory are of the pinned SGLang; update them with the pin"
+    )
 
 
 def test_every_route_the_pool_uses_is_in_sglangs_route_table(run):
@@ -68,8 +70,10 @@ def test_every_request_body_is_accepted_by_sglangs_http_front_end_as_its_request
         verdict = sent.verdict
         expected = ROUTES[("POST", sent.path)]
         if not verdict.accepted or verdict.request_class != expected:
-            refused.append(f"{sent.phase} POST {sent.path} {str(sent.body)[:200]}: HTTP {verdict.status} "
-                           f"as {verdict.request_class} (expected {expected}): {verdict.text}")
+            refused.append(
+                f"{sent.phase} POST {sent.path} {str(sent.body)[:200]}: HTTP {verdict.status} "
+                f"as {verdict.request_class} (expected {expected}): {verdict.text}"
+            )
     assert not refused, "SGLang refuses requests of the pool:\n" + "\n".join(refused)
 
 
@@ -77,7 +81,9 @@ def test_generate_requests_mean_in_sglangs_sampling_params_what_the_pool_means(r
     """Each sample's own seed, the end and stop tokens, stop strings, greedy as SGLang makes it (T = 1, top-k 1),
     top-k and top-p, log-probs requested, the stop token kept: read from SGLang's ``SamplingParams`` after its
     ``__post_init__``, ``normalize`` and ``verify``."""
-    assert set(run.requests) == {f"generate:{name}:0" for name in SAMPLINGS} | {f"generate:sampled:{v}" for v in (1, 2, 3)}
+    assert set(run.requests) == {f"generate:{name}:0" for name in SAMPLINGS} | {
+        f"generate:sampled:{v}" for v in (1, 2, 3)
+    }
     for phase, requests in run.requests.items():
         sampling = SAMPLINGS[phase.split(":")[1]]
         sent = run.where("POST", "/generate", phase)
@@ -106,14 +112,19 @@ def test_weight_updates_decode_into_sglangs_structs_with_the_intended_fields(run
     """``weight_version`` a string (``Optional[str]`` in io_struct.py: SGLang reports it back verbatim), the cache
     flushed once per sync, the distributed group's ranks, names, dtypes and shapes as SGLang reads them."""
     for version, method in run.sync_methods.items():
-        path = {"tensor": "/update_weights_from_tensor", "disk": "/update_weights_from_disk",
-                "distributed": "/update_weights_from_distributed"}[method]
+        path = {
+            "tensor": "/update_weights_from_tensor",
+            "disk": "/update_weights_from_disk",
+            "distributed": "/update_weights_from_distributed",
+        }[method]
         updates = run.where("POST", path, f"sync:{method}:{version}")
         assert updates, (method, version)
         for sent in updates:
             fields = sent.verdict.fields
             assert fields["weight_version"] == str(version) and isinstance(fields["weight_version"], str)
-            assert fields["flush_cache"] is (method == "disk")  # tensor and distributed: /flush_cache after the last bucket
+            assert fields["flush_cache"] is (
+                method == "disk"
+            )  # tensor and distributed: /flush_cache after the last bucket
             assert fields["abort_all_requests"] is False
     # every sync pauses in SGLang's default mode, abort: a sample still running is ended and retried elsewhere
     # (none runs between iterations; the stand-in does not abort)
@@ -155,7 +166,9 @@ def test_tensor_updates_carry_one_payload_per_tp_rank_that_sglang_deserializes_t
         for rank, named in enumerate(received):
             assert [name for name, _ in named] == list(synced), f"TP rank {rank} of version {version}"
             for name, tensor in named:
-                assert tensor.dtype == synced[name].dtype and torch.equal(tensor, synced[name]), f"{name} at TP rank {rank}"
+                assert tensor.dtype == synced[name].dtype and torch.equal(tensor, synced[name]), (
+                    f"{name} at TP rank {rank}"
+                )
 
 
 def test_syncs_follow_sglangs_session_protocol(run):
@@ -164,15 +177,29 @@ def test_syncs_follow_sglangs_session_protocol(run):
     cache flushed and the version read back before generation continues."""
     for version, method in run.sync_methods.items():
         order = [s.path for s in run.where(phase=f"sync:{method}:{version}")]
-        update = {"tensor": "/update_weights_from_tensor", "disk": "/update_weights_from_disk",
-                  "distributed": "/update_weights_from_distributed"}[method]
+        update = {
+            "tensor": "/update_weights_from_tensor",
+            "disk": "/update_weights_from_disk",
+            "distributed": "/update_weights_from_distributed",
+        }[method]
         updates = [p for p in order if p == update]
         if method == "disk":
             expected = ["/pause_generation", update, "/flush_cache", "/model_info", "/continue_generation"]
         else:
-            first = ["/pause_generation", "/init_weights_update_group"] if method == "distributed" else ["/pause_generation"]
-            expected = [*first, "/begin_weight_update", *updates, "/end_weight_update", "/flush_cache", "/model_info",
-                        "/continue_generation"]
+            first = (
+                ["/pause_generation", "/init_weights_update_group"]
+                if method == "distributed"
+                else ["/pause_generation"]
+            )
+            expected = [
+                *first,
+                "/begin_weight_update",
+                *updates,
+                "/end_weight_update",
+                "/flush_cache",
+                "/model_info",
+                "/continue_generation",
+            ]
         assert order == expected, (method, version)
 
 
@@ -184,7 +211,6 @@ def test_the_trainer_applies_sglangs_own_cuda_ipc_patch_before_pickling_cuda_wei
     crossing processes is the GPU check's (gpu_check/gpu_check_sglang.py)."""
     import subprocess
     import sys
-
     from pathlib import Path
 
     check = (
@@ -197,5 +223,7 @@ def test_the_trainer_applies_sglangs_own_cuda_ipc_patch_before_pickling_cuda_wei
         "assert reductions.reduce_tensor is patch_torch._reduce_tensor_modified\n"
         "assert reductions.rebuild_cuda_tensor is patch_torch._rebuild_cuda_tensor_modified\n"
     )
-    done = subprocess.run([sys.executable, "-c", check], cwd=Path(__file__).parents[1], capture_output=True, text=True, timeout=300)
+    done = subprocess.run(
+        [sys.executable, "-c", check], cwd=Path(__file__).parents[1], capture_output=True, text=True, timeout=300
+    )
     assert done.returncode == 0, done.stderr[-2000:]

@@ -37,8 +37,8 @@ from sglang.srt.entrypoints import http_server  # noqa: E402
 from sglang.srt.managers.schedule_batch import FINISH_ABORT, FINISH_LENGTH, FINISH_MATCHED_STR, FINISH_MATCHED_TOKEN  # noqa: E402
 from sglang.srt.managers.tokenizer_manager import TokenizerManager  # noqa: E402
 
-from lit_parl.rollout.sglang.messages import Ends, MalformedResponse, abort_reason, parse_group  # noqa: E402
 from lit_parl.rollout.records import GroupRequest, SamplingParams  # noqa: E402
+from lit_parl.rollout.sglang.messages import Ends, MalformedResponse, abort_reason, parse_group  # noqa: E402
 
 EOS = 2
 REQUEST = GroupRequest(prompt_id=3, prompt_tokens=(5, 6, 7), version=4, seeds=(11, 12))
@@ -53,7 +53,11 @@ def sglang_answer(tokens: list[int], logprobs: list[float], finish, version: str
     response = GenerateResponse(
         output_ids=tokens,
         meta_info=GenerateMetaInfo(
-            id="rid", prompt_tokens=3, completion_tokens=len(tokens), finish_reason=finish, weight_version=version,
+            id="rid",
+            prompt_tokens=3,
+            completion_tokens=len(tokens),
+            finish_reason=finish,
+            weight_version=version,
             output_token_logprobs=[LogprobEntry(logprob=lp, token_id=t) for t, lp in zip(tokens, logprobs)],
         ),
     )
@@ -72,7 +76,9 @@ def test_an_answer_in_sglangs_schema_parses_to_the_intended_group():
     assert group.logprobs == [[-0.5, -0.25], [-1.0, -2.0, -3.0]]
     assert group.finish_reasons == ["stop", "length"]
     with pytest.raises(MalformedResponse, match="weight_version 'default'"):  # a server never synced
-        parse_group(REQUEST, [sglang_answer([5, 9], [-0.5, -0.25], FinishStop(matched=9), version="default")] * 2, "u", ends)
+        parse_group(
+            REQUEST, [sglang_answer([5, 9], [-0.5, -0.25], FinishStop(matched=9), version="default")] * 2, "u", ends
+        )
 
 
 def test_the_fields_the_parser_reads_are_in_sglangs_response_schema():
@@ -85,7 +91,9 @@ def test_the_fields_the_parser_reads_are_in_sglangs_response_schema():
 
 
 def test_sglangs_finish_reasons_are_read_as_intended():
-    strings = Ends.of(SamplingParams(max_new_tokens=4, stop=("ab",)), eos_id=EOS, decode=lambda tokens: "x" * len(tokens))
+    strings = Ends.of(
+        SamplingParams(max_new_tokens=4, stop=("ab",)), eos_id=EOS, decode=lambda tokens: "x" * len(tokens)
+    )
     tokens = [5, 6, EOS]
     assert strings.finish_reason(json_round_trip(FINISH_MATCHED_TOKEN(matched=EOS).to_json()), tokens, "w") == "stop"
     assert strings.finish_reason(json_round_trip(FINISH_MATCHED_STR(matched="ab").to_json()), tokens, "w") == "stop"
@@ -98,8 +106,14 @@ def test_sglangs_finish_reasons_are_read_as_intended():
 
 def test_sglangs_tokenizer_manager_makes_log_prob_entries_the_parser_reads():
     entries = TokenizerManager.detokenize_logprob_tokens(None, [-0.5, -0.25], [5, EOS], False)  # no text: self unused
-    answer = {"output_ids": [5, EOS], "meta_info": {"output_token_logprobs": json_round_trip(entries),
-                                                   "finish_reason": FINISH_MATCHED_TOKEN(matched=EOS).to_json(), "weight_version": "4"}}
+    answer = {
+        "output_ids": [5, EOS],
+        "meta_info": {
+            "output_token_logprobs": json_round_trip(entries),
+            "finish_reason": FINISH_MATCHED_TOKEN(matched=EOS).to_json(),
+            "weight_version": "4",
+        },
+    }
     group = parse_group(REQUEST, [answer, answer], "u", Ends.of(SamplingParams(max_new_tokens=4), eos_id=EOS))
     assert group.completions == [[5, EOS]] * 2 and group.logprobs == [[-0.5, -0.25]] * 2
 
@@ -109,7 +123,9 @@ def test_sglang_puts_weight_version_and_finish_reason_into_meta_info_and_model_i
     batch_output = inspect.getsource(TokenizerManager._handle_batch_output)
     assert '"weight_version": self.config_value("weight_version")' in batch_output
     assert '"finish_reason": recv_obj.finished_reasons[i]' in batch_output
-    assert '"weight_version": _global_state.tokenizer_manager.config_value(' in inspect.getsource(http_server.model_info)
+    assert '"weight_version": _global_state.tokenizer_manager.config_value(' in inspect.getsource(
+        http_server.model_info
+    )
 
 
 def test_the_standins_answers_decode_with_sglangs_response_schema(run):

@@ -50,10 +50,14 @@ def standin_routes(model_dir: str) -> set[tuple[str, str]]:
     """``(method, path)`` of the stand-in's aiohttp app, built by its own ``main`` (``run_app`` intercepted)."""
     module = load_standin_module()
     built = {}
-    with mock.patch.object(module.web, "run_app", lambda app, **kwargs: built.setdefault("app", app)), \
-            mock.patch.object(sys, "argv", ["sglang_standin.py", "--model-path", model_dir]):
+    with (
+        mock.patch.object(module.web, "run_app", lambda app, **kwargs: built.setdefault("app", app)),
+        mock.patch.object(sys, "argv", ["sglang_standin.py", "--model-path", model_dir]),
+    ):
         module.main()
-    return {(route.method, route.resource.canonical) for route in built["app"].router.routes() if route.method != "HEAD"}
+    return {
+        (route.method, route.resource.canonical) for route in built["app"].router.routes() if route.method != "HEAD"
+    }
 
 
 def test_every_route_the_standin_serves_is_sglangs(spec):
@@ -72,7 +76,9 @@ def sglang_accepted_sampling_params() -> set[str]:
 
 def test_the_standin_accepts_no_sampling_param_that_sglang_refuses():
     standin = load_standin_module().SGLANG_SAMPLING_PARAMS
-    assert not standin - sglang_accepted_sampling_params(), "sampling parameters the stand-in accepts and SGLang refuses"
+    assert not standin - sglang_accepted_sampling_params(), (
+        "sampling parameters the stand-in accepts and SGLang refuses"
+    )
 
 
 def test_the_standin_accepts_every_sampling_param_sglang_accepts():
@@ -82,7 +88,11 @@ def test_the_standin_accepts_every_sampling_param_sglang_accepts():
 # ------------------------------------------------------------------------------------------------------
 # probes: the same request to the stand-in and to SGLang's front end
 # ------------------------------------------------------------------------------------------------------
-GENERATE = {"input_ids": [5, 6, 7], "sampling_params": {"max_new_tokens": 3, "temperature": 0.7, "sampling_seed": 1}, "return_logprob": True}
+GENERATE = {
+    "input_ids": [5, 6, 7],
+    "sampling_params": {"max_new_tokens": 3, "temperature": 0.7, "sampling_seed": 1},
+    "return_logprob": True,
+}
 
 
 def generate(**params) -> dict:
@@ -103,7 +113,9 @@ def accepted(why: str) -> str:
 
 GATE = "SGLang's /generate contract gate (api/v1/api_types.py decode_SamplingParams, :1259) refuses"
 VERIFY = "SGLang's SamplingParams.verify (srt/sampling/sampling_params.py) refuses"
-STRUCT = "SGLang decodes the body into its msgspec struct (srt/managers/io_struct.py) and answers 400 (http_server.py:636)"
+STRUCT = (
+    "SGLang decodes the body into its msgspec struct (srt/managers/io_struct.py) and answers 400 (http_server.py:636)"
+)
 
 
 def probe(path: str, body, probe_id: str, before=(), after=(), why: str = ""):
@@ -118,42 +130,114 @@ PROBES = [
     probe("/generate", generate(stop="x"), "generate-stop-as-a-string"),
     probe("/generate", generate(seed=1), "generate-unknown-sampling-param"),
     probe("/generate", generate(temperature="0.7"), "generate-temperature-a-string", why=refused(f"{GATE} a string")),
-    probe("/generate", generate(max_new_tokens="3"), "generate-max-new-tokens-a-string", why=refused(f"{GATE} a string")),
-    probe("/generate", {**GENERATE, "return_logprob": "yes"}, "generate-return-logprob-a-string",
-          why=refused("SGLang's contract gate refuses a string for return_logprob (api_types.py:1428)")),
+    probe(
+        "/generate", generate(max_new_tokens="3"), "generate-max-new-tokens-a-string", why=refused(f"{GATE} a string")
+    ),
+    probe(
+        "/generate",
+        {**GENERATE, "return_logprob": "yes"},
+        "generate-return-logprob-a-string",
+        why=refused("SGLang's contract gate refuses a string for return_logprob (api_types.py:1428)"),
+    ),
     probe("/generate", generate(top_k=0), "generate-top-k-0", why=refused(f"{VERIFY} top_k=0 (:265)")),
-    probe("/generate", generate(min_p=2.0), "generate-min-p-above-1", why=refused(f"{VERIFY} min_p > 1 (:262); the stand-in ignores min_p")),
+    probe(
+        "/generate",
+        generate(min_p=2.0),
+        "generate-min-p-above-1",
+        why=refused(f"{VERIFY} min_p > 1 (:262); the stand-in ignores min_p"),
+    ),
     probe("/generate", generate(top_p=1.5), "generate-top-p-above-1", why=refused(f"{VERIFY} top_p > 1 (:260)")),
-    probe("/generate", generate(temperature=-1.0), "generate-negative-temperature",
-          why=refused(f"{VERIFY} a negative temperature (:257)")),
+    probe(
+        "/generate",
+        generate(temperature=-1.0),
+        "generate-negative-temperature",
+        why=refused(f"{VERIFY} a negative temperature (:257)"),
+    ),
     probe("/generate", generate(sampling_seed=1.5), "generate-fractional-seed", why=refused(f"{GATE} a float seed")),
-    probe("/generate", generate(stop_token_ids=["2"]), "generate-stop-token-a-string",
-          why=refused(f"{GATE} a string token id")),
-    probe("/generate", {"sampling_params": GENERATE["sampling_params"]}, "generate-no-input",
-          why=refused("GenerateReqInput.normalize_batch_and_arguments raises 'Either text, input_ids or "
-                                          "input_embeds should be provided.' (io_struct.py:454), a 400")),
-    probe("/generate", generate(max_new_tokens=0), "generate-max-new-tokens-0",
-          why=accepted("SGLang's verify allows max_new_tokens=0 (the pool never sends it: lit_parl's SamplingParams needs >= 1)")),
+    probe(
+        "/generate",
+        generate(stop_token_ids=["2"]),
+        "generate-stop-token-a-string",
+        why=refused(f"{GATE} a string token id"),
+    ),
+    probe(
+        "/generate",
+        {"sampling_params": GENERATE["sampling_params"]},
+        "generate-no-input",
+        why=refused(
+            "GenerateReqInput.normalize_batch_and_arguments raises 'Either text, input_ids or "
+            "input_embeds should be provided.' (io_struct.py:454), a 400"
+        ),
+    ),
+    probe(
+        "/generate",
+        generate(max_new_tokens=0),
+        "generate-max-new-tokens-0",
+        why=accepted(
+            "SGLang's verify allows max_new_tokens=0 (the pool never sends it: lit_parl's SamplingParams needs >= 1)"
+        ),
+    ),
     probe("/pause_generation", {}, "pause", after=[CONTINUE]),
-    probe("/pause_generation", {"mode": "bogus"}, "pause-unknown-mode", after=[CONTINUE],
-          why=refused(f"mode is Literal['abort', 'retract', 'in_place'] (io_struct.py:1946); {STRUCT}")),
+    probe(
+        "/pause_generation",
+        {"mode": "bogus"},
+        "pause-unknown-mode",
+        after=[CONTINUE],
+        why=refused(f"mode is Literal['abort', 'retract', 'in_place'] (io_struct.py:1946); {STRUCT}"),
+    ),
     probe("/continue_generation", {}, "continue"),
     probe("/flush_cache", None, "flush-cache"),
-    probe("/begin_weight_update", {"selector": "bogus"}, "begin-unknown-selector", after=[END],
-          why=refused(f"selector is Literal['target', 'draft', 'all'] (io_struct.py:2200); {STRUCT}")),
+    probe(
+        "/begin_weight_update",
+        {"selector": "bogus"},
+        "begin-unknown-selector",
+        after=[END],
+        why=refused(f"selector is Literal['target', 'draft', 'all'] (io_struct.py:2200); {STRUCT}"),
+    ),
     probe("/update_weights_from_disk", {"model_path": "@checkpoint", "weight_version": "3"}, "disk-valid"),
-    probe("/update_weights_from_disk", {"model_path": "@checkpoint", "weight_version": 3}, "disk-version-an-int",
-          why=refused(f"weight_version is Optional[str] (io_struct.py:1978); {STRUCT}; the stand-in then reports an int version")),
-    probe("/update_weights_from_disk", {"weight_version": "3"}, "disk-no-model-path",
-          why=refused(f"model_path is required (io_struct.py:1972); {STRUCT}")),
-    probe("/update_weights_from_tensor", {"serialized_named_tensors": [TENSOR], "weight_version": "4"}, "tensor-valid",
-          before=[BEGIN], after=[END]),
-    probe("/update_weights_from_tensor", {"serialized_named_tensors": [TENSOR], "weight_version": 4}, "tensor-version-an-int",
-          before=[BEGIN], after=[END], why=refused(f"weight_version is Optional[str] (io_struct.py:2043); {STRUCT}")),
-    probe("/update_weights_from_tensor", {"serialized_named_tensors": ["@@@"]}, "tensor-payload-not-base64", before=[BEGIN], after=[END],
-          why=refused(f"each payload is Base64Bytes (io_struct.py:2035); {STRUCT}")),
-    probe("/init_weights_update_group", {"master_address": "127.0.0.1", "master_port": 1, "world_size": 2}, "init-group-no-rank-offset",
-          why=refused(f"rank_offset is required (io_struct.py:2132); {STRUCT}")),
+    probe(
+        "/update_weights_from_disk",
+        {"model_path": "@checkpoint", "weight_version": 3},
+        "disk-version-an-int",
+        why=refused(
+            f"weight_version is Optional[str] (io_struct.py:1978); {STRUCT}; the stand-in then reports an int version"
+        ),
+    ),
+    probe(
+        "/update_weights_from_disk",
+        {"weight_version": "3"},
+        "disk-no-model-path",
+        why=refused(f"model_path is required (io_struct.py:1972); {STRUCT}"),
+    ),
+    probe(
+        "/update_weights_from_tensor",
+        {"serialized_named_tensors": [TENSOR], "weight_version": "4"},
+        "tensor-valid",
+        before=[BEGIN],
+        after=[END],
+    ),
+    probe(
+        "/update_weights_from_tensor",
+        {"serialized_named_tensors": [TENSOR], "weight_version": 4},
+        "tensor-version-an-int",
+        before=[BEGIN],
+        after=[END],
+        why=refused(f"weight_version is Optional[str] (io_struct.py:2043); {STRUCT}"),
+    ),
+    probe(
+        "/update_weights_from_tensor",
+        {"serialized_named_tensors": ["@@@"]},
+        "tensor-payload-not-base64",
+        before=[BEGIN],
+        after=[END],
+        why=refused(f"each payload is Base64Bytes (io_struct.py:2035); {STRUCT}"),
+    ),
+    probe(
+        "/init_weights_update_group",
+        {"master_address": "127.0.0.1", "master_port": 1, "world_size": 2},
+        "init-group-no-rank-offset",
+        why=refused(f"rank_offset is required (io_struct.py:2132); {STRUCT}"),
+    ),
 ]
 
 
@@ -165,8 +249,11 @@ def outcome(status: int) -> str:
 def standin(spec):
     """A stand-in server started as the pool starts its own (``tp_size`` 1); its URL."""
     port = free_port()
-    process = subprocess.Popen([*STANDIN, "--model-path", str(spec.model_dir), "--port", str(port), "--enable-deterministic-inference"],
-                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    process = subprocess.Popen(
+        [*STANDIN, "--model-path", str(spec.model_dir), "--port", str(port), "--enable-deterministic-inference"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 180
     while True:
@@ -207,14 +294,19 @@ def post(url: str, path: str, body) -> int:
 
 
 @pytest.mark.parametrize("path, body, before, after, why", PROBES)
-def test_the_standin_answers_a_probe_as_sglang_does(path, body, before, after, why, standin, checkpoint, server_side, spec):
+def test_the_standin_answers_a_probe_as_sglang_does(
+    path, body, before, after, why, standin, checkpoint, server_side, spec
+):
     keep = []  # tensors a tensor payload points to: alive until both servers answered
     if isinstance(body, dict):
         body = json.loads(json.dumps(body).replace('"@checkpoint"', json.dumps(checkpoint)))
         if body.get("serialized_named_tensors") == [TENSOR]:
             from transformers import AutoModelForCausalLM
 
-            keep = [(name, t.detach().clone()) for name, t in AutoModelForCausalLM.from_pretrained(spec.model_dir).named_parameters()][:2]
+            keep = [
+                (name, t.detach().clone())
+                for name, t in AutoModelForCausalLM.from_pretrained(spec.model_dir).named_parameters()
+            ][:2]
             body["serialized_named_tensors"] = [serialize_named_tensors(keep)]
     sglang = server_side.decide("POST", path, body)
     for setup_path, setup_body in before:

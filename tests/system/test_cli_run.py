@@ -33,7 +33,18 @@ def test_cli_run_summary_metrics_and_hf_export(tmp_path, monkeypatch, capsys):
     summary = cli.run(cfg)
 
     # the summary
-    keys = {"iterations", "mode", "reward_first", "reward_last10", "wall_s", "completions_per_s", "tokens_per_s", "gen_busy_s", "train_busy_s", "run_dir"}
+    keys = {
+        "iterations",
+        "mode",
+        "reward_first",
+        "reward_last10",
+        "wall_s",
+        "completions_per_s",
+        "tokens_per_s",
+        "gen_busy_s",
+        "train_busy_s",
+        "run_dir",
+    }
     assert keys <= summary.keys()
     assert summary["iterations"] == 2
     assert summary["mode"] == cfg.datamodule.mode
@@ -44,7 +55,9 @@ def test_cli_run_summary_metrics_and_hf_export(tmp_path, monkeypatch, capsys):
     assert summary["wall_s"] > 0 and summary["completions_per_s"] > 0 and summary["tokens_per_s"] > 0
     # every completion has between 1 and max_new_tokens tokens
     max_new = cfg.sampling.max_new_tokens
-    assert summary["completions_per_s"] <= summary["tokens_per_s"] + 0.01 <= max_new * summary["completions_per_s"] + 0.02
+    assert (
+        summary["completions_per_s"] <= summary["tokens_per_s"] + 0.01 <= max_new * summary["completions_per_s"] + 0.02
+    )
     assert summary["completions_per_s"] == pytest.approx(2 * samples / summary["wall_s"], rel=0.01)
     assert summary["gen_busy_s"] > 0 and summary["train_busy_s"] > 0
     assert 0.0 <= summary["reward_first"] <= 1.0 and 0.0 <= summary["reward_last10"] <= 1.0
@@ -75,7 +88,10 @@ def test_cli_run_summary_metrics_and_hf_export(tmp_path, monkeypatch, capsys):
     loaded_tok = AutoTokenizer.from_pretrained(policy_dir)
     text = "3917=7193"
     assert loaded_tok(text).input_ids == module.tokenizer(text).input_ids
-    assert (loaded_tok.pad_token_id, loaded_tok.eos_token_id) == (module.tokenizer.pad_token_id, module.tokenizer.eos_token_id)
+    assert (loaded_tok.pad_token_id, loaded_tok.eos_token_id) == (
+        module.tokenizer.pad_token_id,
+        module.tokenizer.eos_token_id,
+    )
     ids = torch.tensor([loaded_tok(text).input_ids, loaded_tok("0123456789").input_ids[:9]])
     trained = module.policy.eval()
     initial, _ = tiny_qwen2(seed=cfg.seed)

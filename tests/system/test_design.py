@@ -10,12 +10,18 @@ ROOT = Path(__file__).resolve().parents[2]
 
 # the layers of docs/design.md, "The package tree": a package's modules may import from its own layer and below
 LAYERS = {
-    "lit_parl.errors": 1, "lit_parl.kernels": 1, "lit_parl.callbacks": 1, "lit_parl.models": 1, "lit_parl.prompts": 1,
-    "lit_parl.rewards": 1, "lit_parl.tasks": 1,
+    "lit_parl.errors": 1,
+    "lit_parl.kernels": 1,
+    "lit_parl.callbacks": 1,
+    "lit_parl.models": 1,
+    "lit_parl.prompts": 1,
+    "lit_parl.rewards": 1,
+    "lit_parl.tasks": 1,
     "lit_parl.rollout": 2,
     "lit_parl.data": 3,
     "lit_parl.trainer": 4,
-    "lit_parl.cli": 5, "lit_parl.__main__": 5,
+    "lit_parl.cli": 5,
+    "lit_parl.__main__": 5,
 }
 
 
@@ -26,7 +32,11 @@ def _layer(module: str) -> int | None:
 
 def _sources() -> dict[str, Path]:
     found = {}
-    for folder, package in ((ROOT / "lit_parl", "lit_parl"), (ROOT / "kernels", "lit_parl.kernels"), (ROOT / "callbacks", "lit_parl.callbacks")):
+    for folder, package in (
+        (ROOT / "lit_parl", "lit_parl"),
+        (ROOT / "kernels", "lit_parl.kernels"),
+        (ROOT / "callbacks", "lit_parl.callbacks"),
+    ):
         for path in folder.rglob("*.py"):
             parts = path.relative_to(folder).with_suffix("").parts
             name = ".".join((package, *parts)).removesuffix(".__init__")

@@ -17,7 +17,9 @@ PACKAGES = (lit_parl, lit_parl.callbacks, lit_parl.kernels)
 
 
 def _modules() -> list[str]:
-    names = [package.__name__ for package in PACKAGES[1:] if any(t.examples for t in doctest.DocTestFinder().find(package))]
+    names = [
+        package.__name__ for package in PACKAGES[1:] if any(t.examples for t in doctest.DocTestFinder().find(package))
+    ]
     for info in (i for package in PACKAGES for i in pkgutil.walk_packages(package.__path__, package.__name__ + ".")):
         # the entry point runs on import; configs hold no code; vLLM is an extra
         if info.name == "lit_parl.__main__" or info.name.startswith(("lit_parl.conf", "lit_parl.rollout.vllm_pool")):
@@ -33,7 +35,12 @@ MODULES = _modules()
 
 
 def test_the_examples_are_found():
-    for name in ("lit_parl.data.iteration_shape", "lit_parl.rollout.rollout_pool", "lit_parl.callbacks.weight_sync", "lit_parl.trainer.grpo_module"):
+    for name in (
+        "lit_parl.data.iteration_shape",
+        "lit_parl.rollout.rollout_pool",
+        "lit_parl.callbacks.weight_sync",
+        "lit_parl.trainer.grpo_module",
+    ):
         assert name in MODULES, name
 
 

@@ -22,12 +22,21 @@ ROOT = Path(__file__).resolve().parents[2]
 @pytest.mark.slow
 def test_the_gpu_check_runs_its_cpu_parts_and_writes_one_json(tmp_path):
     env = {**os.environ, "OUT": str(tmp_path), "PYTHON": sys.executable, "GPU_CHECK_CPU_SMOKE": "1"}
-    done = subprocess.run(["bash", str(ROOT / "gpu_check" / "gpu_check.sh")], env=env, capture_output=True, text=True, timeout=900)
+    done = subprocess.run(
+        ["bash", str(ROOT / "gpu_check" / "gpu_check.sh")], env=env, capture_output=True, text=True, timeout=900
+    )
     report = json.loads((tmp_path / "gpu_check.json").read_text())
     assert done.returncode == 0, (done.stdout[-3000:], report["summary"])
     checks = {r["check"]: r for r in report["records"]}
-    assert {"float32_exactness_sdpa_Qwen2Config", "bfloat16_kernel_sdpa_h8kv2d64", "bf16_mixed_model_sdpa_LlamaConfig",
-            "fit_trainer_gpu", "fit_trainer_gpu_checkpointed"} <= set(report["summary"]["ok"])
-    assert checks["fit_trainer_gpu"]["precision"] == "bf16-mixed" and checks["fit_trainer_gpu"]["weight_dtypes"] == ["torch.float32"]
+    assert {
+        "float32_exactness_sdpa_Qwen2Config",
+        "bfloat16_kernel_sdpa_h8kv2d64",
+        "bf16_mixed_model_sdpa_LlamaConfig",
+        "fit_trainer_gpu",
+        "fit_trainer_gpu_checkpointed",
+    } <= set(report["summary"]["ok"])
+    assert checks["fit_trainer_gpu"]["precision"] == "bf16-mixed" and checks["fit_trainer_gpu"]["weight_dtypes"] == [
+        "torch.float32"
+    ]
     assert {"strategies", "sglang"} <= set(report["summary"]["skipped"])  # no CUDA, no sglang in this environment
     assert not report["summary"]["FAILED"]

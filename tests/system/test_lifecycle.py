@@ -26,11 +26,11 @@ from pathlib import Path
 import lightning
 import pytest
 import torch
-from helpers.components import fit, make_components
 from hydra import compose, initialize_config_module
 from hydra.errors import InstantiationException, MissingConfigException
 from omegaconf.errors import MissingMandatoryValue
 
+from helpers.components import fit, make_components
 from lit_parl.cli import build
 from lit_parl.data.rollout_datamodule import RolloutDataModule
 from lit_parl.trainer.grpo_module import GRPOModule
@@ -175,7 +175,9 @@ class _FailingModule(GRPOModule):
 def test_workers_gone_after_exception_in_training():
     before = _non_tracker_children()
     module, datamodule = make_components()
-    module = _FailingModule(module.policy, module.objective, module.shape, tokenizer=module.tokenizer)  # fails in iteration 2
+    module = _FailingModule(
+        module.policy, module.objective, module.shape, tokenizer=module.tokenizer
+    )  # fails in iteration 2
     recorder = _RecordWorkers()
     try:
         with pytest.raises(ValueError, match="injected failure in training_step"):
@@ -296,11 +298,16 @@ def test_cli_resumes_from_a_step_checkpoint_with_the_default_callbacks(tmp_path)
     from safetensors.torch import load_file
 
     job = ["iterations=3", "shape.mini_batches=2", "checkpoint_every=0", "trainer.max_time=null"]
-    step_checkpoints = ["+callbacks.stepckpt._target_=lightning.pytorch.callbacks.ModelCheckpoint",
-                        "+callbacks.stepckpt.every_n_train_steps=1", "+callbacks.stepckpt.save_top_k=-1",
-                        f"+callbacks.stepckpt.dirpath={tmp_path / 'ckpts'}"]
-    for overrides in ([*job, *step_checkpoints, f"run_dir={tmp_path / 'first'}"],
-                      [*job, f"resume='{tmp_path / 'ckpts' / 'epoch=1-step=3.ckpt'}'", f"run_dir={tmp_path / 'resumed'}"]):
+    step_checkpoints = [
+        "+callbacks.stepckpt._target_=lightning.pytorch.callbacks.ModelCheckpoint",
+        "+callbacks.stepckpt.every_n_train_steps=1",
+        "+callbacks.stepckpt.save_top_k=-1",
+        f"+callbacks.stepckpt.dirpath={tmp_path / 'ckpts'}",
+    ]
+    for overrides in (
+        [*job, *step_checkpoints, f"run_dir={tmp_path / 'first'}"],
+        [*job, f"resume='{tmp_path / 'ckpts' / 'epoch=1-step=3.ckpt'}'", f"run_dir={tmp_path / 'resumed'}"],
+    ):
         result = subprocess.run([str(LIT_PARL), *overrides], cwd=tmp_path, capture_output=True, text=True, timeout=300)
         assert result.returncode == 0, result.stderr[-3000:]
     first, resumed = (load_file(tmp_path / run / "policy" / "model.safetensors") for run in ("first", "resumed"))
@@ -309,25 +316,55 @@ def test_cli_resumes_from_a_step_checkpoint_with_the_default_callbacks(tmp_path)
 
 # -- 2: bad configuration fails early, before any process -----------------------------------------------
 ROWS = {  # data files with one bad row or column, and the message that names it
-    "bad_column": ('{"question": "12=", "answer": "12"}\n', [], r"bad_column.jsonl \(split 'train'\) has no column 'prompt'"),
-    "empty_prompt": ('{"prompt": "12=", "answer": "12"}\n{"prompt": "", "answer": "3"}\n', [], r"row 1: the prompt is empty"),
-    "bad_messages": ('{"messages": [{"role": "user", "content": "1="}], "answer": "1"}\n{"messages": [{"content": "hi"}], "answer": "3"}\n',
-                     ["data.messages_column=messages", "data.prompt_column=null"], r"row 1: message 0 must be a dict with string 'role'"),
+    "bad_column": (
+        '{"question": "12=", "answer": "12"}\n',
+        [],
+        r"bad_column.jsonl \(split 'train'\) has no column 'prompt'",
+    ),
+    "empty_prompt": (
+        '{"prompt": "12=", "answer": "12"}\n{"prompt": "", "answer": "3"}\n',
+        [],
+        r"row 1: the prompt is empty",
+    ),
+    "bad_messages": (
+        '{"messages": [{"role": "user", "content": "1="}], "answer": "1"}\n{"messages": [{"content": "hi"}], "answer": "3"}\n',
+        ["data.messages_column=messages", "data.prompt_column=null"],
+        r"row 1: message 0 must be a dict with string 'role'",
+    ),
 }
 
 
-@pytest.mark.parametrize("case, overrides, message", [
-    *[(name, [f"data=jsonl", f"data.path={name}.jsonl", *extra], pattern) for name, (_, extra, pattern) in ROWS.items()],
-    ("bad_setting", ["shape.group_size=1"], r"config shape: IterationShape\(group_size=1\): GRPO needs at least 2"),
-    ("missing_value", ["model=pretrained"], r"Missing mandatory value: model.path: set it on the command line \(model.path=\.\.\.\)"),
-    ("missing_checkpoint", ["resume=nowhere.ckpt"], r"resume=nowhere.ckpt: no such checkpoint file or run directory"),
-])
+@pytest.mark.parametrize(
+    "case, overrides, message",
+    [
+        *[
+            (name, ["data=jsonl", f"data.path={name}.jsonl", *extra], pattern)
+            for name, (_, extra, pattern) in ROWS.items()
+        ],
+        ("bad_setting", ["shape.group_size=1"], r"config shape: IterationShape\(group_size=1\): GRPO needs at least 2"),
+        (
+            "missing_value",
+            ["model=pretrained"],
+            r"Missing mandatory value: model.path: set it on the command line \(model.path=\.\.\.\)",
+        ),
+        (
+            "missing_checkpoint",
+            ["resume=nowhere.ckpt"],
+            r"resume=nowhere.ckpt: no such checkpoint file or run directory",
+        ),
+    ],
+)
 def test_a_bad_setting_or_data_row_prints_one_clear_line(tmp_path, case, overrides, message):
     """What the user gave is refused in one line naming it (the config key, the file, the row), not a traceback."""
     for name, (rows, _, _) in ROWS.items():
         (tmp_path / f"{name}.jsonl").write_text(rows)
-    result = subprocess.run([str(LIT_PARL), *overrides, f"run_dir={tmp_path / 'run'}"], cwd=tmp_path, capture_output=True,
-                            text=True, timeout=300)
+    result = subprocess.run(
+        [str(LIT_PARL), *overrides, f"run_dir={tmp_path / 'run'}"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert result.returncode == 1
     lines = [line for line in result.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and re.search(rf"^lit-parl: error: .*{message}", lines[0]), result.stderr[-3000:]
@@ -341,16 +378,30 @@ def test_a_failure_in_the_users_code_is_not_taken_for_a_refusal(tmp_path, where)
         "def broken(completion: str) -> float:\n    raise ValueError('a bug of the reward')\n\n\n"
         "class Source:\n    def __init__(self, **settings):\n        raise ValueError('a bug of the source')\n"
     )
-    overrides = {"reward": ["iterations=1", "+reward.mine._target_=lit_parl.rewards.Reward", "+reward.mine.fn=my_code.py:broken"],
-                 "data_source": ["data._target_=my_code.Source"]}[where]
+    overrides = {
+        "reward": [
+            "iterations=1",
+            "+reward.mine._target_=lit_parl.rewards.Reward",
+            "+reward.mine.fn=my_code.py:broken",
+        ],
+        "data_source": ["data._target_=my_code.Source"],
+    }[where]
     env = {**os.environ, "PYTHONPATH": str(tmp_path)}
-    result = subprocess.run([str(LIT_PARL), *overrides, f"run_dir={tmp_path / 'run'}"], cwd=tmp_path, capture_output=True,
-                            text=True, timeout=300, env=env)
+    result = subprocess.run(
+        [str(LIT_PARL), *overrides, f"run_dir={tmp_path / 'run'}"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+    )
     assert result.returncode == 1 and "lit-parl: error:" not in result.stderr, result.stderr[-3000:]
     if where == "reward":
         assert "Traceback" in result.stderr and 'my_code.py", line 2, in broken' in result.stderr, result.stderr[-3000:]
     else:
         assert "Error in call to target 'my_code.Source'" in result.stderr and "a bug of the source" in result.stderr
+
+
 def _compose_and_build(tmp_path: Path, overrides: list[str]):
     with initialize_config_module(config_module="lit_parl.conf", version_base="1.3"):
         cfg = compose(config_name="config", overrides=[f"run_dir={tmp_path}", *overrides])
@@ -361,13 +412,25 @@ def _compose_and_build(tmp_path: Path, overrides: list[str]):
     "overrides, error, fragments",
     [
         (["shape.group_size=1"], InstantiationException, ["group_size=1", "at least 2", "full_key: shape"]),
-        (["shape.micro_batch_size=7"], InstantiationException, ["micro_batch_size=7", "32 prompts x group_size 8 = 256", "full_key: shape"]),
+        (
+            ["shape.micro_batch_size=7"],
+            InstantiationException,
+            ["micro_batch_size=7", "32 prompts x group_size 8 = 256", "full_key: shape"],
+        ),
         (["data=nonexistent"], MissingConfigException, ["data/nonexistent", "copy", "reverse"]),
         (["pool=nonexistent"], MissingConfigException, ["pool/nonexistent", "hf"]),
-        (["model=pretrained", "model.path=/does/not/exist"], InstantiationException, ["/does/not/exist", "config.json"]),
+        (
+            ["model=pretrained", "model.path=/does/not/exist"],
+            InstantiationException,
+            ["/does/not/exist", "config.json"],
+        ),
         (["model=pretrained"], MissingMandatoryValue, ["model.path"]),
         (["datamodule.mode=bogus"], ValueError, ["config datamodule: ", "mode='bogus'", "async", "sync"]),
-        (["shape.mini_batches=3"], InstantiationException, ["mini_batches=3", "32 prompts", "micro_batch_size=64", "full_key: shape"]),
+        (
+            ["shape.mini_batches=3"],
+            InstantiationException,
+            ["mini_batches=3", "32 prompts", "micro_batch_size=64", "full_key: shape"],
+        ),
     ],
     ids=["group_size", "micro_batch_size", "task", "pool", "model_path", "model_path_missing", "mode", "mini_batches"],
 )
@@ -403,10 +466,14 @@ def _copy_sources(destination: Path) -> None:
     try:
         listing = subprocess.run(
             ["git", "-C", str(REPO), "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
-            capture_output=True, check=True, timeout=60,
+            capture_output=True,
+            check=True,
+            timeout=60,
         ).stdout.decode()
     except (OSError, subprocess.CalledProcessError):  # not a git checkout: copy the tree without build outputs
-        ignore = shutil.ignore_patterns(".git", ".venv*", "build", "dist", "*.egg-info", "runs", "outputs", "__pycache__", ".pytest_cache")
+        ignore = shutil.ignore_patterns(
+            ".git", ".venv*", "build", "dist", "*.egg-info", "runs", "outputs", "__pycache__", ".pytest_cache"
+        )
         shutil.copytree(REPO, destination, ignore=ignore, dirs_exist_ok=True)
         return
     for name in filter(None, listing.split("\0")):
@@ -465,15 +532,30 @@ def test_wheel_ships_subpackages_and_configs(tmp_path):
     source, dist, site = tmp_path / "src", tmp_path / "dist", tmp_path / "site"
     _copy_sources(source)
     build_run = subprocess.run(
-        [sys.executable, "-m", "pip", "wheel", str(source), "--no-deps", "--no-build-isolation", "--no-index", "-w", str(dist)],
-        capture_output=True, text=True, timeout=300,
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            str(source),
+            "--no-deps",
+            "--no-build-isolation",
+            "--no-index",
+            "-w",
+            str(dist),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert build_run.returncode == 0, build_run.stdout[-3000:] + build_run.stderr[-3000:]
     wheels = list(dist.glob("lit_parl-*.whl"))
     assert len(wheels) == 1, wheels
     install = subprocess.run(
         [sys.executable, "-m", "pip", "install", "--no-deps", "--no-index", "--target", str(site), str(wheels[0])],
-        capture_output=True, text=True, timeout=300,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert install.returncode == 0, install.stdout[-3000:] + install.stderr[-3000:]
 
@@ -481,13 +563,27 @@ def test_wheel_ships_subpackages_and_configs(tmp_path):
     assert top_level == {"lit_parl"}, f"top-level modules in the wheel: {sorted(top_level)}"
     for name in ("kernels", "callbacks", "conf"):
         assert not (site / name).exists(), f"the wheel installs a top-level {name!r}"
-    for config in ("config.yaml", "model/tiny_qwen2.yaml", "model/pretrained.yaml", "data/copy.yaml", "data/reverse.yaml", "reward/positional.yaml",
-                   "pool/hf.yaml", "algorithm/grpo.yaml", "trainer/cpu.yaml"):
+    for config in (
+        "config.yaml",
+        "model/tiny_qwen2.yaml",
+        "model/pretrained.yaml",
+        "data/copy.yaml",
+        "data/reverse.yaml",
+        "reward/positional.yaml",
+        "pool/hf.yaml",
+        "algorithm/grpo.yaml",
+        "trainer/cpu.yaml",
+    ):
         assert (site / "lit_parl" / "conf" / config).is_file(), f"lit_parl/conf/{config} missing from the wheel"
 
     env = {**os.environ, "PYTHONPATH": str(site), "PYTHONNOUSERSITE": "1"}
     check = subprocess.run(
-        [sys.executable, "-c", _WHEEL_CHECK, str(site)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=180,
+        [sys.executable, "-c", _WHEEL_CHECK, str(site)],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=180,
     )
     assert check.returncode == 0 and "WHEEL OK" in check.stdout, check.stdout[-3000:] + check.stderr[-5000:]
 
@@ -522,18 +618,31 @@ def _root_env() -> dict[str, str]:
 
 def test_repo_root_does_not_break_transformers():
     run = subprocess.run(
-        [sys.executable, "-c", _ROOT_CHECK], cwd=REPO, env=_root_env(), capture_output=True, text=True, timeout=180,
+        [sys.executable, "-c", _ROOT_CHECK],
+        cwd=REPO,
+        env=_root_env(),
+        capture_output=True,
+        text=True,
+        timeout=180,
     )
     assert run.returncode == 0 and "ROOT OK" in run.stdout, run.stdout[-3000:] + run.stderr[-5000:]
 
 
 def test_module_help_from_repo_root():
     run = subprocess.run(
-        [sys.executable, "-m", "lit_parl", "--help"], cwd=REPO, env=_root_env(), capture_output=True, text=True, timeout=180,
+        [sys.executable, "-m", "lit_parl", "--help"],
+        cwd=REPO,
+        env=_root_env(),
+        capture_output=True,
+        text=True,
+        timeout=180,
     )
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-5000:]
     assert "== Configuration groups ==" in run.stdout, run.stdout[-3000:]
-    assert "data: copy, countdown, gsm8k_format, jsonl, reverse" in run.stdout and "reward: countdown, format, gsm8k, math, positional" in run.stdout, run.stdout[-3000:]
+    assert (
+        "data: copy, countdown, gsm8k_format, jsonl, reverse" in run.stdout
+        and "reward: countdown, format, gsm8k, math, positional" in run.stdout
+    ), run.stdout[-3000:]
 
 
 def test_openmp_threads_sleep_when_idle_unless_the_user_says_otherwise():
@@ -545,9 +654,14 @@ def test_openmp_threads_sleep_when_idle_unless_the_user_says_otherwise():
 
     code = "import lit_parl, os; print(os.environ['OMP_WAIT_POLICY'])"
     env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
-    assert subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True).stdout.strip() == "PASSIVE"
+    assert (
+        subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True).stdout.strip()
+        == "PASSIVE"
+    )
     env["OMP_WAIT_POLICY"] = "ACTIVE"
-    assert subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True).stdout.strip() == "ACTIVE"
+    assert (
+        subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True).stdout.strip() == "ACTIVE"
+    )
 
 
 @pytest.mark.parametrize("logger", ["csv", "tensorboard", "wandb", "mlflow"])
@@ -559,5 +673,7 @@ def test_each_logger_builds_or_names_the_extra_to_install(tmp_path, logger):
         module, datamodule, trainer = _compose_and_build(tmp_path, [f"logger={logger}"])
         assert type(trainer.logger).__name__.lower().startswith(logger)
     else:
-        with pytest.raises(ImportError, match=rf"logger={logger} needs its package: pip install 'lit-parl\[{logger}\]'"):
+        with pytest.raises(
+            ImportError, match=rf"logger={logger} needs its package: pip install 'lit-parl\[{logger}\]'"
+        ):
             _compose_and_build(tmp_path, [f"logger={logger}"])

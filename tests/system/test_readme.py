@@ -44,7 +44,7 @@ def _cli_examples(page: Path = README) -> list[list[str]]:
             if words and words[0].endswith("lit-parl"):
                 examples.append(words[1:])
             elif words[:2] == ["make", "train"] and len(words) > 2 and words[2].startswith("ARGS="):
-                examples.append(shlex.split(words[2][len("ARGS="):]))
+                examples.append(shlex.split(words[2][len("ARGS=") :]))
     return examples
 
 
@@ -124,7 +124,7 @@ def _expand(path: str) -> list[str]:
     match = re.search(r"\{([^{}]*)\}", path)
     if match is None:
         return [path]
-    head, tail = path[: match.start()], path[match.end():]
+    head, tail = path[: match.start()], path[match.end() :]
     return [out for alt in match.group(1).split(",") for out in _expand(head + alt + tail)]
 
 

@@ -32,7 +32,18 @@ ITERATIONS = 2
 
 def launch(out: Path, strategy: str = "single", *flags: str, timeout: float = 240) -> subprocess.CompletedProcess:
     devices = ["--devices", "2"] if strategy != "single" else []
-    command = [sys.executable, str(SCRIPT), "--strategy", strategy, *devices, "--out", str(out), "--iterations", str(ITERATIONS), *flags]
+    command = [
+        sys.executable,
+        str(SCRIPT),
+        "--strategy",
+        strategy,
+        *devices,
+        "--out",
+        str(out),
+        "--iterations",
+        str(ITERATIONS),
+        *flags,
+    ]
     # a session of its own, so that the test can tell whether any process of the run outlives it
     result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=timeout, start_new_session=True)
     return result
@@ -79,23 +90,32 @@ def test_two_ranks_train_the_single_process_update_each_prompt_once(single, two_
     first, second = (rank["samples"] for rank in result["ranks"])
     assert len(first) == len(second), "the ranks' shares differ in size"
     assert not {tuple(s) for s in first} & {tuple(s) for s in second}, "a sample was trained on both ranks"
-    assert sorted(samples(result)) == sorted(samples(single)), "the ranks together did not train the single run's samples"
+    assert sorted(samples(result)) == sorted(samples(single)), (
+        "the ranks together did not train the single run's samples"
+    )
     assert all(rank["drawn"] == ITERATIONS * 8 for rank in result["ranks"]), "the ranks' schedules moved apart"
     names = [name for name, _ in single["policy"].items()]
     shapes = {name: list(tensor.shape) for name, tensor in single["policy"].items()}
     for rank in result["ranks"]:  # each rank's engines start from a directory of their own, as transformers writes it
         assert {"config.json", "model.safetensors", "tokenizer.json"} <= set(rank["initial_dir"]["files"])
         assert rank["initial_dir"]["architectures"] == ["Qwen2ForCausalLM"]
-    for rank in result["ranks"]:  # each rank's pool: one sync per iteration, every tensor whole and named as in the model
+    for rank in result[
+        "ranks"
+    ]:  # each rank's pool: one sync per iteration, every tensor whole and named as in the model
         assert [sync["version"] for sync in rank["syncs"]] == list(range(ITERATIONS))
         for sync in rank["syncs"]:
             received = [name for name, *_ in sync["tensors"]]
-            assert (sorted(received) if strategy == "fsdp" else received) == (sorted(names) if strategy == "fsdp" else names)  # FSDP1: unit by unit
+            assert (sorted(received) if strategy == "fsdp" else received) == (
+                sorted(names) if strategy == "fsdp" else names
+            )  # FSDP1: unit by unit
             assert all(shape == shapes[name] and kind == "Tensor" for name, shape, kind in sync["tensors"])
         assert rank["parameter_types"] == (["DTensor"] if strategy == "fsdp2" else ["Parameter"])
         full = sum(tensor.numel() for tensor in single["policy"].values())
         held = rank["policy_numel_held"]  # what this rank holds of the policy: about half of it when sharded
-        assert held == full if strategy in ("ddp", "deepspeed2") else 0.4 * full < held < 0.6 * full, (held, full)  # ZeRO-2: whole parameters
+        assert held == full if strategy in ("ddp", "deepspeed2") else 0.4 * full < held < 0.6 * full, (
+            held,
+            full,
+        )  # ZeRO-2: whole parameters
     exported = AutoModelForCausalLM.from_pretrained(out / "export").state_dict()  # HFExport gathers the shards too
     assert all(torch.equal(exported[name], tensor) for name, tensor in result["policy"].items())
 
@@ -138,13 +158,19 @@ def test_resume_inside_an_iteration_under_two_ranks_is_exact(tmp_path, two_ranks
     strategy, straight_dir, straight = two_ranks
     resumed = run(tmp_path, strategy, "--resume", str(straight_dir / "checkpoints" / "step=3.ckpt"))
     assert_same_policy(resumed["policy"], straight["policy"], rtol=1e-6)
-    later = [s for s in samples(straight) if s[0] == 1]  # iteration 1's samples, half of them trained before the checkpoint
+    later = [
+        s for s in samples(straight) if s[0] == 1
+    ]  # iteration 1's samples, half of them trained before the checkpoint
     assert set(samples(resumed)) < set(later) and len(samples(resumed)) == len(later) // 2
     if strategy != "ddp":
-        assert (straight_dir / "checkpoints" / "step=3.ckpt").is_dir(), "a single-file checkpoint: sharding was not exercised"
+        assert (straight_dir / "checkpoints" / "step=3.ckpt").is_dir(), (
+            "a single-file checkpoint: sharding was not exercised"
+        )
         # iteration 0's last micro-batch: Lightning goes on without the next epoch's start, and the sharded
         # checkpoint holds iteration 0's θ_k, which must be taken again from the policy
-        after_last = run(tmp_path / "after_last", strategy, "--resume", str(straight_dir / "checkpoints" / "step=2.ckpt"))
+        after_last = run(
+            tmp_path / "after_last", strategy, "--resume", str(straight_dir / "checkpoints" / "step=2.ckpt")
+        )
         assert_same_policy(after_last["policy"], straight["policy"], rtol=1e-6)
 
 
@@ -165,7 +191,9 @@ def test_a_killed_rank_ends_the_whole_run_and_leaves_no_process(tmp_path, rank):
     """Each rank has a pool of worker processes; rank ``rank`` is SIGKILLed when iteration 1 starts."""
     devices = ["--devices", "2"]
     command = [sys.executable, str(SCRIPT), "--strategy", "ddp", *devices, "--out", str(tmp_path), "--die", str(rank)]
-    process = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    process = subprocess.Popen(
+        command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
+    )
     try:
         output, _ = process.communicate(timeout=180)
     finally:
@@ -186,12 +214,23 @@ def test_a_killed_rank_ends_the_whole_run_and_leaves_no_process(tmp_path, rank):
 def test_the_cli_trains_under_fsdp2_in_one_run_directory(tmp_path):
     """``lit-parl trainer=fsdp2``: Lightning starts rank 1 by running the command again, and each rank writes its
     shard of every checkpoint into the run directory, which must be the same one (the default run_dir is a time)."""
-    command = [str(Path(sys.executable).parent / "lit-parl"), "trainer=fsdp2", "iterations=2", "shape.prompts=8",
-               "shape.micro_batch_size=16", "checkpoint_every=1"]
+    command = [
+        str(Path(sys.executable).parent / "lit-parl"),
+        "trainer=fsdp2",
+        "iterations=2",
+        "shape.prompts=8",
+        "shape.micro_batch_size=16",
+        "checkpoint_every=1",
+    ]
     result = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=240, start_new_session=True)
     assert result.returncode == 0, result.stderr[-4000:]
     (run_dir,) = (tmp_path / "runs").iterdir()  # one run directory: rank 1 made none of its own
     summary = json.loads((run_dir / "summary.json").read_text())
-    assert summary["iterations"] == 2 and summary["completions"] == 2 * 8 * 8  # iterations x prompts x group_size, all ranks
+    assert (
+        summary["iterations"] == 2 and summary["completions"] == 2 * 8 * 8
+    )  # iterations x prompts x group_size, all ranks
     for checkpoint in ("epoch=0-step=1.ckpt", "epoch=1-step=2.ckpt"):
-        assert sorted(p.name for p in (run_dir / "checkpoints" / checkpoint).glob("*.distcp")) == ["__0_0.distcp", "__1_0.distcp"]
+        assert sorted(p.name for p in (run_dir / "checkpoints" / checkpoint).glob("*.distcp")) == [
+            "__0_0.distcp",
+            "__1_0.distcp",
+        ]

@@ -11,16 +11,14 @@ import pytest
 import torch
 from lightning.pytorch import Callback
 
+from helpers.components import fit, make_components, policy_state, sgd
+from helpers.pools import InProcessPool, KeepsFirstWeights, WrappedPool
 from lit_parl import OffPolicyError, RolloutDataModule
-from lit_parl.trainer.guards import NonFiniteGuard
+from lit_parl.rewards import RewardError
 from lit_parl.rollout import HFRolloutPool
 from lit_parl.rollout.rollout_pool import BF16_LOGPROB_TOLERANCE
-from lit_parl.rewards import RewardError
 from lit_parl.tasks import CopyTask, positional_reward
-
-from helpers.components import fit, make_components, policy_state, sgd
-
-from helpers.pools import InProcessPool, KeepsFirstWeights, WrappedPool
+from lit_parl.trainer.guards import NonFiniteGuard
 
 
 def _pool() -> HFRolloutPool:
@@ -59,12 +57,23 @@ def test_the_tolerance_comes_from_the_pool_and_widens_for_a_low_precision_traine
     assert data.resolved_logprob_tolerance() == HFRolloutPool().logprob_tolerance()
     data.trainer = SimpleNamespace(precision="bf16-mixed", accelerator=CPUAccelerator())
     assert data.resolved_logprob_tolerance() == BF16_LOGPROB_TOLERANCE
-    data.trainer = SimpleNamespace(precision="32-true", accelerator=CUDAAccelerator())  # not measured there: bf16's bound
+    data.trainer = SimpleNamespace(
+        precision="32-true", accelerator=CUDAAccelerator()
+    )  # not measured there: bf16's bound
     assert data.resolved_logprob_tolerance() == BF16_LOGPROB_TOLERANCE
     data.logprob_tolerance = 0.3
     assert data.resolved_logprob_tolerance() == 0.3
     with pytest.raises(ValueError, match=r"logprob_tolerance=-1\): give a number > 0"):
-        RolloutDataModule(CopyTask(), [positional_reward], _pool(), module.tokenizer, module.shape, module.objective, module.policy, logprob_tolerance=-1)
+        RolloutDataModule(
+            CopyTask(),
+            [positional_reward],
+            _pool(),
+            module.tokenizer,
+            module.shape,
+            module.objective,
+            module.policy,
+            logprob_tolerance=-1,
+        )
 
 
 class OneGroupSlightlyOff(WrappedPool):
@@ -84,8 +93,12 @@ class OneGroupSlightlyOff(WrappedPool):
 
 def test_one_stale_group_is_not_averaged_away_by_the_others_in_its_micro_batch():
     tolerance = InProcessPool().logprob_tolerance()
-    module, data = make_components(pool=OneGroupSlightlyOff(InProcessPool(), shift=1.5 * tolerance))  # 2 groups per micro-batch
-    with pytest.raises(OffPolicyError, match=r"log-probs of prompt 9 differ from θ_k's by 1\.\d+e-05 per token \(tolerance 1e-05\)"):
+    module, data = make_components(
+        pool=OneGroupSlightlyOff(InProcessPool(), shift=1.5 * tolerance)
+    )  # 2 groups per micro-batch
+    with pytest.raises(
+        OffPolicyError, match=r"log-probs of prompt 9 differ from θ_k's by 1\.\d+e-05 per token \(tolerance 1e-05\)"
+    ):
         fit(module, data, iterations=2)
 
 
@@ -115,7 +128,9 @@ def test_a_non_finite_value_skips_its_optimizer_step_and_counts_it():
     """on_nonfinite=skip: iteration 1's step is dropped (weights unchanged through it), later steps go on."""
     recorder = WeightsAtEpochStart()
     module, data = make_components(pool=PoisonLogprobs(InProcessPool(), prompt=10), on_nonfinite="skip", **sgd(0.5))
-    with pytest.warns(UserWarning, match=r"optimizer step skipped .* non-finite rollout log-probs on prompts \[10, 11\]"):
+    with pytest.warns(
+        UserWarning, match=r"optimizer step skipped .* non-finite rollout log-probs on prompts \[10, 11\]"
+    ):
         fit(module, data, iterations=3, callbacks=[recorder])
     final = policy_state(module)
     assert module.guard.skipped_steps == 1
@@ -144,7 +159,9 @@ class NaNReward(CopyTask):
 def test_a_reward_returning_nan_stops_the_run_naming_the_reward():
     """The first line: the scoring policy refuses a NaN reward (``on_error=error``, the default) before any advantage."""
     module, data = make_components(pool=InProcessPool(), task=NaNReward(seed=0), **sgd(0.5))
-    with pytest.raises(RewardError, match=r"reward 'positional' returned a non-finite value .* on prompt \d+, sample \d+"):
+    with pytest.raises(
+        RewardError, match=r"reward 'positional' returned a non-finite value .* on prompt \d+, sample \d+"
+    ):
         fit(module, data, iterations=3)
 
 
@@ -176,7 +193,9 @@ def test_a_non_finite_gradient_with_a_finite_loss_is_caught_at_the_step():
             if trainer.current_epoch == 1:
                 self.handle = weight.register_hook(lambda grad: grad * float("inf"))
 
-    with pytest.raises(FloatingPointError, match=r"non-finite gradient \(norm (inf|nan)\) in the step over prompts \[8, 9, 10"):
+    with pytest.raises(
+        FloatingPointError, match=r"non-finite gradient \(norm (inf|nan)\) in the step over prompts \[8, 9, 10"
+    ):
         fit(module, data, iterations=2, callbacks=[Overflow()])
 
 
@@ -199,7 +218,10 @@ def test_a_nan_that_does_not_go_away_stops_the_run_after_max_consecutive_skips()
         guard.inspect({"loss": torch.tensor(float("nan"))}, [1])
         guard.step_is_finite(torch.tensor(0.0))
     guard.inspect({"loss": torch.tensor(float("nan"))}, [2])
-    with pytest.raises(FloatingPointError, match=r"3 optimizer steps in a row were skipped, the last for non-finite loss on prompts \[2\]"):
+    with pytest.raises(
+        FloatingPointError,
+        match=r"3 optimizer steps in a row were skipped, the last for non-finite loss on prompts \[2\]",
+    ):
         guard.step_is_finite(torch.tensor(0.0))
 
 

@@ -56,7 +56,9 @@ def _hand_batch():
 def test_objective_on_policy_seq_mean_token_mean():
     logp, advantages, mask = _hand_batch()
     lengths = [3, 2, 4]
-    terms = GRPOObjective(clip_eps=0.2, loss_aggregation="seq-mean-token-mean")(logp, logp.detach(), None, advantages, mask)
+    terms = GRPOObjective(clip_eps=0.2, loss_aggregation="seq-mean-token-mean")(
+        logp, logp.detach(), None, advantages, mask
+    )
     # ratio = 1: every token's loss is -A; per sequence mean -A; summed over sequences
     assert float(terms.loss_sum.detach()) == pytest.approx(-(0.5 - 1.0 + 2.0), abs=1e-6)
     assert float(terms.normaliser) == 3.0  # sequences
@@ -160,7 +162,9 @@ def test_objective_kl_k3():
 
 def test_objective_kl_zero_at_reference():
     logp = torch.full((1, 4), -2.0, requires_grad=True)
-    terms = GRPOObjective(beta=0.5)(logp, logp.detach(), logp.detach().clone(), torch.zeros(1), torch.ones(1, 4, dtype=torch.bool))
+    terms = GRPOObjective(beta=0.5)(
+        logp, logp.detach(), logp.detach().clone(), torch.zeros(1), torch.ones(1, 4, dtype=torch.bool)
+    )
     assert float(terms.stats["kl_sum"]) == 0.0
     assert float(terms.loss_sum.detach()) == 0.0
     terms.loss_sum.backward()

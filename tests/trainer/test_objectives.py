@@ -22,9 +22,9 @@ import torch
 from hydra import compose, initialize_config_module
 
 from lit_parl import GRPOModule, GRPOObjective, IterationShape, tiny_qwen2
+from lit_parl.data.micro_batch import Trajectory, collate
 from lit_parl.kernels.logprobs import linear_token_logprobs
 from lit_parl.trainer.grpo_objective import LOSS_AGGREGATIONS, kl_estimate
-from lit_parl.data.micro_batch import Trajectory, collate
 
 F64 = torch.float64
 TIGHT = dict(rtol=1e-9, atol=1e-12)  # float64 reference vs float64 torch: only rounding order differs
@@ -60,9 +60,24 @@ def pessimistic(r: float, A: float, lo: float, hi: float) -> tuple[float, float,
 
 
 def reference_objective(
-    logp, old, adv, mask, *, clip_eps=0.2, clip_eps_high=None, ratio_level="token", aggregation="seq-mean-token-mean",
-    max_length=None, beta=0.0, ref=None, kl_estimator="k3", kl_in_reward=False, entropy=None, entropy_coef=0.0,
-    tis_cap=None, rollout=None,
+    logp,
+    old,
+    adv,
+    mask,
+    *,
+    clip_eps=0.2,
+    clip_eps_high=None,
+    ratio_level="token",
+    aggregation="seq-mean-token-mean",
+    max_length=None,
+    beta=0.0,
+    ref=None,
+    kl_estimator="k3",
+    kl_in_reward=False,
+    entropy=None,
+    entropy_coef=0.0,
+    tis_cap=None,
+    rollout=None,
 ):
     """Loss (loss_sum / normaliser), its gradient w.r.t. logp and entropy, and the stats, by plain loops.
 
@@ -77,8 +92,12 @@ def reference_objective(
     B, T = len(logp), len(logp[0])
     lo, hi = 1 - clip_eps, 1 + (clip_eps if clip_eps_high is None else clip_eps_high)
     lengths = [sum(1 for t in range(T) if mask[i][t]) for i in range(B)]
-    normaliser = {"token-mean": sum(lengths), "seq-mean-token-sum": B, "seq-mean-token-mean": B,
-                  "seq-mean-token-sum-norm": B * (max_length or 0)}[aggregation]
+    normaliser = {
+        "token-mean": sum(lengths),
+        "seq-mean-token-sum": B,
+        "seq-mean-token-mean": B,
+        "seq-mean-token-sum-norm": B * (max_length or 0),
+    }[aggregation]
     loss, clipped_tokens, approx_kl, kl_sum, entropy_sum, tis_sum = 0.0, 0, 0.0, 0.0, 0.0, 0.0
     grad = [[0.0] * T for _ in range(B)]
     grad_entropy = [[0.0] * T for _ in range(B)]
@@ -87,7 +106,9 @@ def reference_objective(
         tokens = [t for t in range(T) if mask[i][t]]
         per_sample = 1.0 / max(lengths[i], 1) if aggregation == "seq-mean-token-mean" else 1.0
         coef = per_sample / normaliser  # d loss / d ℓ_t for a token of sample i
-        weights = {t: (min(math.exp(old[i][t] - rollout[i][t]), tis_cap) if tis_cap is not None else 1.0) for t in tokens}
+        weights = {
+            t: (min(math.exp(old[i][t] - rollout[i][t]), tis_cap) if tis_cap is not None else 1.0) for t in tokens
+        }
         if ratio_level == "sequence":
             n = max(lengths[i], 1)
             log_s = sum(logp[i][t] - old[i][t] for t in tokens) / n
@@ -189,8 +210,14 @@ def make_batch(log_ratio_scale: float = 1.0):
 def check_against_reference(objective, logp, old, mask, adv, ref=None, entropy=None, rollout=None, **options):
     terms = objective(logp, old, ref, adv, mask, rollout, entropy)
     expected, grad, grad_entropy, normaliser, stats = reference_objective(
-        logp.tolist(), old.tolist(), adv.tolist(), mask.tolist(), ref=None if ref is None else ref.tolist(),
-        entropy=None if entropy is None else entropy.tolist(), rollout=None if rollout is None else rollout.tolist(), **options,
+        logp.tolist(),
+        old.tolist(),
+        adv.tolist(),
+        mask.tolist(),
+        ref=None if ref is None else ref.tolist(),
+        entropy=None if entropy is None else entropy.tolist(),
+        rollout=None if rollout is None else rollout.tolist(),
+        **options,
     )
     assert float(terms.normaliser) == normaliser
     loss = terms.loss_sum / terms.normaliser
@@ -218,25 +245,49 @@ def test_hand_batch_covers_every_clip_case():
                 r, A = RATIOS[i][t], ADV[i]
                 side = "above" if r > 1.2 else "below" if r < 0.8 else "inside"
                 cases.add((side, A > 0, pessimistic(r, A, 0.8, 1.2)[2]))
-    assert {("above", True, True), ("above", False, False), ("below", True, False), ("below", False, True),
-            ("inside", True, False), ("inside", False, False)} <= cases
+    assert {
+        ("above", True, True),
+        ("above", False, False),
+        ("below", True, False),
+        ("below", False, True),
+        ("inside", True, False),
+        ("inside", False, False),
+    } <= cases
 
 
 # ------------------------------------------------------------------------------------------------------
 # 1. the presets, as Hydra composes them
 # ------------------------------------------------------------------------------------------------------
 GRPO_OPTIONS = dict(
-    clip_eps=0.2, clip_eps_high=0.2, beta=0.0, kl_estimator="k3", kl_in_reward=False, loss_aggregation="seq-mean-token-mean",
-    max_length=None, advantage="group", scale_rewards=True, ratio_level="token", entropy_coef=0.0, tis_cap=None,
-    dynamic_sampling=False, overlong_buffer=None, overlong_penalty=1.0,
+    clip_eps=0.2,
+    clip_eps_high=0.2,
+    beta=0.0,
+    kl_estimator="k3",
+    kl_in_reward=False,
+    loss_aggregation="seq-mean-token-mean",
+    max_length=None,
+    advantage="group",
+    scale_rewards=True,
+    ratio_level="token",
+    entropy_coef=0.0,
+    tis_cap=None,
+    dynamic_sampling=False,
+    overlong_buffer=None,
+    overlong_penalty=1.0,
 )
 PRESETS = {
     "grpo": GRPO_OPTIONS,
     # Dr. GRPO: no std scaling; Σ_i Σ_t / (B · L) with L the completion length limit
     "dr_grpo": {**GRPO_OPTIONS, "scale_rewards": False, "loss_aggregation": "seq-mean-token-sum-norm", "max_length": 6},
     # DAPO: clip-higher, token-level mean, dynamic sampling, soft overlong punishment
-    "dapo": {**GRPO_OPTIONS, "clip_eps_high": 0.28, "loss_aggregation": "token-mean", "dynamic_sampling": True,
-             "overlong_buffer": 2, "overlong_penalty": 1.0},
+    "dapo": {
+        **GRPO_OPTIONS,
+        "clip_eps_high": 0.28,
+        "loss_aggregation": "token-mean",
+        "dynamic_sampling": True,
+        "overlong_buffer": 2,
+        "overlong_penalty": 1.0,
+    },
     # GSPO: one length-normalised ratio per sequence, GSPO's clip range
     "gspo": {**GRPO_OPTIONS, "ratio_level": "sequence", "clip_eps": 3e-4, "clip_eps_high": 4e-4},
     # RLOO: leave-one-out baseline, no std scaling
@@ -275,9 +326,13 @@ def test_preset_pipeline_rewards_to_loss(preset):
     rewards = [1.0, 0.0, 0.5, 0.25]
     lengths = [2, 5, 6, 4]
     truncated = [False, False, True, False]
-    shaped = objective.shape_rewards(torch.tensor(rewards, dtype=F64), torch.tensor(lengths), torch.tensor(truncated), limit)
-    expected_shaped = [hand_shape(r, n, tr, limit, options["overlong_buffer"], options["overlong_penalty"])
-                       for r, n, tr in zip(rewards, lengths, truncated)]
+    shaped = objective.shape_rewards(
+        torch.tensor(rewards, dtype=F64), torch.tensor(lengths), torch.tensor(truncated), limit
+    )
+    expected_shaped = [
+        hand_shape(r, n, tr, limit, options["overlong_buffer"], options["overlong_penalty"])
+        for r, n, tr in zip(rewards, lengths, truncated)
+    ]
     if preset == "dapo":  # L - B = 4: length 4 untouched, 5 -> -0.5, cut at 6 -> -1
         assert expected_shaped == [1.0, -0.5, -0.5, 0.25]
     torch.testing.assert_close(shaped, torch.tensor(expected_shaped, dtype=F64), **TIGHT)
@@ -292,10 +347,14 @@ def test_preset_pipeline_rewards_to_loss(preset):
     # GSPO's clip range is ~1e-3 wide: scale the log-ratios so that some samples fall inside, some out
     logp, old, mask, _ = make_batch(log_ratio_scale=0.002 if preset == "gspo" else 1.0)
     ref_options = {k: options[k] for k in ("clip_eps", "clip_eps_high", "ratio_level", "max_length")}
-    terms = check_against_reference(objective, logp, old, mask, advantages.detach(),
-                                     aggregation=options["loss_aggregation"], **ref_options)
+    terms = check_against_reference(
+        objective, logp, old, mask, advantages.detach(), aggregation=options["loss_aggregation"], **ref_options
+    )
     if preset == "gspo":  # samples 1 and 3 leave [1 - 3e-4, 1 + 4e-4]; sample 3 (A < 0, s < 1 - eps) is clipped
-        s = [math.exp(sum(0.002 * math.log(RATIOS[i][t]) for t in range(4) if MASK[i][t]) / sum(MASK[i])) for i in range(4)]
+        s = [
+            math.exp(sum(0.002 * math.log(RATIOS[i][t]) for t in range(4) if MASK[i][t]) / sum(MASK[i]))
+            for i in range(4)
+        ]
         assert [1 - 3e-4 <= v <= 1 + 4e-4 for v in s] == [True, False, True, False]
         assert float(terms.stats["clipped_tokens"]) == sum(MASK[3])
 
@@ -308,10 +367,21 @@ def test_preset_pipeline_rewards_to_loss(preset):
 @pytest.mark.parametrize("clip_eps_high", [None, 0.28])
 def test_clipped_objective_value_and_gradient(aggregation, ratio_level, clip_eps_high):
     logp, old, mask, adv = make_batch()
-    objective = GRPOObjective(clip_eps=0.2, clip_eps_high=clip_eps_high, loss_aggregation=aggregation, max_length=7,
-                              ratio_level=ratio_level)
-    check_against_reference(objective, logp, old, mask, adv, clip_eps=0.2, clip_eps_high=clip_eps_high,
-                            ratio_level=ratio_level, aggregation=aggregation, max_length=7)
+    objective = GRPOObjective(
+        clip_eps=0.2, clip_eps_high=clip_eps_high, loss_aggregation=aggregation, max_length=7, ratio_level=ratio_level
+    )
+    check_against_reference(
+        objective,
+        logp,
+        old,
+        mask,
+        adv,
+        clip_eps=0.2,
+        clip_eps_high=clip_eps_high,
+        ratio_level=ratio_level,
+        aggregation=aggregation,
+        max_length=7,
+    )
 
 
 def test_aggregation_normalisers_by_hand():
@@ -319,8 +389,15 @@ def test_aggregation_normalisers_by_hand():
     logp, old, mask, adv = make_batch()
     got = {}
     for aggregation in LOSS_AGGREGATIONS:
-        got[aggregation] = float(GRPOObjective(loss_aggregation=aggregation, max_length=7)(logp, old, None, adv, mask).normaliser)
-    assert got == {"token-mean": 10.0, "seq-mean-token-sum": 4.0, "seq-mean-token-mean": 4.0, "seq-mean-token-sum-norm": 28.0}
+        got[aggregation] = float(
+            GRPOObjective(loss_aggregation=aggregation, max_length=7)(logp, old, None, adv, mask).normaliser
+        )
+    assert got == {
+        "token-mean": 10.0,
+        "seq-mean-token-sum": 4.0,
+        "seq-mean-token-mean": 4.0,
+        "seq-mean-token-sum-norm": 28.0,
+    }
 
 
 def test_asymmetric_clip_only_widens_the_upper_side():
@@ -330,9 +407,14 @@ def test_asymmetric_clip_only_widens_the_upper_side():
     logp = torch.tensor([[math.log(1.25)], [math.log(0.75)]], dtype=F64, requires_grad=True)
     adv = torch.tensor([2.0, -2.0], dtype=F64)
     mask = torch.ones(2, 1, dtype=torch.bool)
-    for high, expected_loss, expected_grad in ((None, [-1.2 * 2, 0.8 * 2], [0.0, 0.0]), (0.28, [-1.25 * 2, 0.8 * 2], [-1.25 * 2, 0.0])):
+    for high, expected_loss, expected_grad in (
+        (None, [-1.2 * 2, 0.8 * 2], [0.0, 0.0]),
+        (0.28, [-1.25 * 2, 0.8 * 2], [-1.25 * 2, 0.0]),
+    ):
         logp.grad = None
-        terms = GRPOObjective(clip_eps=0.2, clip_eps_high=high, loss_aggregation="seq-mean-token-sum")(logp, old, None, adv, mask)
+        terms = GRPOObjective(clip_eps=0.2, clip_eps_high=high, loss_aggregation="seq-mean-token-sum")(
+            logp, old, None, adv, mask
+        )
         terms.loss_sum.backward()
         assert float(terms.loss_sum.detach()) == pytest.approx(sum(expected_loss), abs=1e-12)
         torch.testing.assert_close(logp.grad[:, 0], torch.tensor(expected_grad, dtype=F64), **TIGHT)
@@ -381,7 +463,8 @@ def test_one_token_completions(ratio_level):
     mask = torch.ones(3, 1, dtype=torch.bool)
     terms = GRPOObjective(ratio_level=ratio_level)(logp, old, None, adv, mask)
     (terms.loss_sum / terms.normaliser).backward()
-    # 1.5, A=1: clipped at 1.2 -> -1.2, grad 0;  0.9, A=-2: inside -> 1.8, grad 1.8;  0.5, A=-1: clipped at 0.8 -> 0.8, grad 0
+    # 1.5, A=1: clipped at 1.2 -> -1.2, grad 0;  0.9, A=-2: inside -> 1.8, grad 1.8;  0.5, A=-1: clipped at 0.8 -> 0.8,
+    # grad 0
     assert float((terms.loss_sum / terms.normaliser).detach()) == pytest.approx((-1.2 + 1.8 + 0.8) / 3, abs=1e-12)
     torch.testing.assert_close(logp.grad, torch.tensor([[0.0], [1.8 / 3], [0.0]], dtype=F64), **TIGHT)
     assert float(terms.stats["clipped_tokens"]) == 2
@@ -408,7 +491,9 @@ def test_ratio_exactly_at_the_clip_boundaries(ratio_level):
     unclipped gradient, for either sign of A. Just outside, the clipped side has gradient 0."""
     clip_eps, clip_eps_high = 0.2, 0.28
     lo, hi = 1 - clip_eps, 1 + clip_eps_high
-    objective = GRPOObjective(clip_eps=clip_eps, clip_eps_high=clip_eps_high, loss_aggregation="seq-mean-token-sum", ratio_level=ratio_level)
+    objective = GRPOObjective(
+        clip_eps=clip_eps, clip_eps_high=clip_eps_high, loss_aggregation="seq-mean-token-sum", ratio_level=ratio_level
+    )
     rows = []  # (log ratio, advantage, expected loss, expected gradient)
     for bound, sign_outward in ((lo, -math.inf), (hi, math.inf)):
         x = exact_log(bound)
@@ -429,9 +514,16 @@ def test_ratio_exactly_at_the_clip_boundaries(ratio_level):
     terms.loss_sum.backward()
     # per-row values via the hand loss on each row alone
     for k, (x, A, loss, grad) in enumerate(rows):
-        one = GRPOObjective(clip_eps=clip_eps, clip_eps_high=clip_eps_high, loss_aggregation="seq-mean-token-sum", ratio_level=ratio_level)
+        one = GRPOObjective(
+            clip_eps=clip_eps,
+            clip_eps_high=clip_eps_high,
+            loss_aggregation="seq-mean-token-sum",
+            ratio_level=ratio_level,
+        )
         lp = torch.tensor([[x]], dtype=F64, requires_grad=True)
-        t = one(lp, torch.zeros(1, 1, dtype=F64), None, torch.tensor([A], dtype=F64), torch.ones(1, 1, dtype=torch.bool))
+        t = one(
+            lp, torch.zeros(1, 1, dtype=F64), None, torch.tensor([A], dtype=F64), torch.ones(1, 1, dtype=torch.bool)
+        )
         assert float(t.loss_sum.detach()) == pytest.approx(loss, rel=1e-14), (k, x, A)
         # the hand rule agrees (its derivative is in r; d/dlogp = r · d/dr)
         value, d_dr, _ = pessimistic(math.exp(x), A, lo, hi)
@@ -451,7 +543,9 @@ def test_empty_mask_row(aggregation, ratio_level):
     mask = torch.tensor([[1, 1, 0], [0, 0, 0], [1, 1, 1]], dtype=torch.bool)
     adv = torch.tensor([0.9, 2.0, -0.6], dtype=F64)
     objective = GRPOObjective(loss_aggregation=aggregation, max_length=5, ratio_level=ratio_level)
-    terms = check_against_reference(objective, logp, old, mask, adv, aggregation=aggregation, max_length=5, ratio_level=ratio_level)
+    terms = check_against_reference(
+        objective, logp, old, mask, adv, aggregation=aggregation, max_length=5, ratio_level=ratio_level
+    )
     assert torch.all(torch.isfinite(logp.grad)) and torch.all(logp.grad[1] == 0)
     assert float(terms.normaliser) == {"token-mean": 5, "seq-mean-token-sum-norm": 15}.get(aggregation, 3)
 
@@ -466,16 +560,22 @@ def test_group_advantages_by_hand(scale_rewards, eps):
     objective = GRPOObjective(scale_rewards=scale_rewards, eps=eps)
     got = objective.advantages(torch.tensor(rewards, dtype=torch.float32))
     assert got.dtype == torch.float32
-    torch.testing.assert_close(got, torch.tensor(hand_group_advantages(rewards, scale_rewards, eps), dtype=torch.float32))
+    torch.testing.assert_close(
+        got, torch.tensor(hand_group_advantages(rewards, scale_rewards, eps), dtype=torch.float32)
+    )
 
 
-@pytest.mark.parametrize("rewards", [[1.0, 0.0], [1.0, 0.0, 0.5, 0.25], [0.3, 0.3, 0.9], [2.0, -1.0, 0.5, 0.5, 4.0, 0.0]])
+@pytest.mark.parametrize(
+    "rewards", [[1.0, 0.0], [1.0, 0.0, 0.5, 0.25], [0.3, 0.3, 0.9], [2.0, -1.0, 0.5, 0.5, 4.0, 0.0]]
+)
 def test_rloo_advantages_leave_one_out_loop(rewards):
     objective = GRPOObjective(advantage="rloo")
     got = objective.advantages(torch.tensor(rewards, dtype=F64))
     torch.testing.assert_close(got, torch.tensor(hand_rloo(rewards), dtype=F64), **TIGHT)
     # scale_rewards is not an RLOO option: no std division either way
-    torch.testing.assert_close(GRPOObjective(advantage="rloo", scale_rewards=False).advantages(torch.tensor(rewards, dtype=F64)), got)
+    torch.testing.assert_close(
+        GRPOObjective(advantage="rloo", scale_rewards=False).advantages(torch.tensor(rewards, dtype=F64)), got
+    )
 
 
 @pytest.mark.parametrize("buffer,penalty", [(4, 1.0), (3, 0.5), (1, 2.0)])
@@ -505,10 +605,20 @@ def test_the_acceptor_shapes_rewards_then_computes_advantages():
     from lit_parl.data import GroupAcceptor
     from lit_parl.rollout.records import Group, GroupRequest
 
-    acceptor = GroupAcceptor(GRPOObjective(overlong_buffer=2, overlong_penalty=0.5, scale_rewards=False), group_size=4, max_new_tokens=6)
+    acceptor = GroupAcceptor(
+        GRPOObjective(overlong_buffer=2, overlong_penalty=0.5, scale_rewards=False), group_size=4, max_new_tokens=6
+    )
     rewards, lengths, truncated = [1.0, 1.0, 0.0, 1.0], [3, 5, 4, 6], [False, False, False, True]
     completions = [[5] * n for n in lengths]
-    group = Group(0, 0, [0, 1, 2, 3], completions, [[0.0] * n for n in lengths], rewards, ["length" if t else "stop" for t in truncated])
+    group = Group(
+        0,
+        0,
+        [0, 1, 2, 3],
+        completions,
+        [[0.0] * n for n in lengths],
+        rewards,
+        ["length" if t else "stop" for t in truncated],
+    )
     trajectories = acceptor.accept(group, {0: GroupRequest(0, (4,), 0, (1, 2, 3, 4))}, version=0)
     shaped = torch.tensor([t.shaped_reward for t in trajectories])
     advantages = torch.tensor([t.advantage for t in trajectories])
@@ -541,10 +651,28 @@ def test_kl_estimators_value_and_gradient(estimator):
 def test_kl_in_the_loss(estimator, aggregation, ratio_level):
     logp, old, mask, adv = make_batch()
     ref = torch.tensor(REF, dtype=F64)
-    objective = GRPOObjective(beta=0.07, kl_estimator=estimator, loss_aggregation=aggregation, max_length=6,
-                              ratio_level=ratio_level, clip_eps_high=0.28)
-    check_against_reference(objective, logp, old, mask, adv, ref=ref, beta=0.07, kl_estimator=estimator,
-                            aggregation=aggregation, max_length=6, ratio_level=ratio_level, clip_eps_high=0.28)
+    objective = GRPOObjective(
+        beta=0.07,
+        kl_estimator=estimator,
+        loss_aggregation=aggregation,
+        max_length=6,
+        ratio_level=ratio_level,
+        clip_eps_high=0.28,
+    )
+    check_against_reference(
+        objective,
+        logp,
+        old,
+        mask,
+        adv,
+        ref=ref,
+        beta=0.07,
+        kl_estimator=estimator,
+        aggregation=aggregation,
+        max_length=6,
+        ratio_level=ratio_level,
+        clip_eps_high=0.28,
+    )
 
 
 @pytest.mark.parametrize("estimator", ["k1", "k2", "k3"])
@@ -553,8 +681,12 @@ def test_kl_in_reward_leaves_the_loss_without_kl(estimator):
     ref = torch.tensor(REF, dtype=F64)
     objective = GRPOObjective(beta=0.07, kl_estimator=estimator, kl_in_reward=True)
     assert objective.needs_reference
-    terms = check_against_reference(objective, logp, old, mask, adv, ref=ref, beta=0.07, kl_estimator=estimator, kl_in_reward=True)
-    hand_kl_sum = sum(hand_kl(logp[i, t].item(), REF[i][t], estimator)[0] for i in range(4) for t in range(4) if MASK[i][t])
+    terms = check_against_reference(
+        objective, logp, old, mask, adv, ref=ref, beta=0.07, kl_estimator=estimator, kl_in_reward=True
+    )
+    hand_kl_sum = sum(
+        hand_kl(logp[i, t].item(), REF[i][t], estimator)[0] for i in range(4) for t in range(4) if MASK[i][t]
+    )
     assert float(terms.stats["kl_sum"]) == pytest.approx(hand_kl_sum, rel=1e-12)
     # and the loss is exactly the β = 0 loss
     logp0 = logp.detach().clone().requires_grad_(True)
@@ -577,11 +709,20 @@ def _kl_batch(group_size=3, drop=None):
             if drop == (prompt, k):
                 continue
             c = completions[prompt][k]
-            trajectories.append(Trajectory(
-                prompt_id=prompt, sample_index=k, version=0, prompt_tokens=[1, prompt], completion_tokens=c,
-                rollout_logprobs=[-0.5] * len(c), reward=rewards[prompt][k], advantage=0.0, truncated=False,
-                shaped_reward=shaped[prompt][k],
-            ))
+            trajectories.append(
+                Trajectory(
+                    prompt_id=prompt,
+                    sample_index=k,
+                    version=0,
+                    prompt_tokens=[1, prompt],
+                    completion_tokens=c,
+                    rollout_logprobs=[-0.5] * len(c),
+                    reward=rewards[prompt][k],
+                    advantage=0.0,
+                    truncated=False,
+                    shaped_reward=shaped[prompt][k],
+                )
+            )
     return collate(trajectories, pad_id=0, sample_offset=0, packing="padded", group_size=group_size)
 
 
@@ -592,11 +733,11 @@ def policy_and_tokenizer():
 
 @pytest.mark.parametrize("estimator", ["k1", "k2", "k3"])
 @pytest.mark.parametrize("advantage,scale_rewards", [("group", True), ("group", False), ("rloo", False)])
-def test_kl_in_reward_advantages_group_by_group(policy_and_tokenizer, estimator, advantage, scale_rewards):
-    policy, tokenizer = policy_and_tokenizer
+def test_kl_in_reward_advantages_group_by_group(estimator, advantage, scale_rewards):
     beta = 0.3
-    objective = GRPOObjective(beta=beta, kl_estimator=estimator, kl_in_reward=True, advantage=advantage, scale_rewards=scale_rewards)
-    module = GRPOModule(policy, objective, IterationShape(prompts=2, group_size=3, micro_batch_size=6), tokenizer=tokenizer)
+    objective = GRPOObjective(
+        beta=beta, kl_estimator=estimator, kl_in_reward=True, advantage=advantage, scale_rewards=scale_rewards
+    )
     batch = _kl_batch()
     n, T = batch.completion_mask.shape
     assert (n, T) == (6, 4) and batch.prompt_ids == [7, 7, 7, 9, 9, 9]
@@ -614,7 +755,9 @@ def test_kl_in_reward_advantages_group_by_group(policy_and_tokenizer, estimator,
         for i in rows:
             sequence_kl = sum(hand_kl(float(old[i, t]), float(ref[i, t]), estimator)[0] for t in range(T) if mask[i][t])
             group_rewards.append(float(batch.shaped_rewards[i]) - beta * sequence_kl)
-        values = hand_rloo(group_rewards) if advantage == "rloo" else hand_group_advantages(group_rewards, scale_rewards)
+        values = (
+            hand_rloo(group_rewards) if advantage == "rloo" else hand_group_advantages(group_rewards, scale_rewards)
+        )
         for i, v in zip(rows, values):
             expected[i] = v
     torch.testing.assert_close(got, torch.tensor(expected), rtol=1e-5, atol=1e-5)
@@ -622,7 +765,12 @@ def test_kl_in_reward_advantages_group_by_group(policy_and_tokenizer, estimator,
 
 def test_kl_in_reward_refuses_a_split_group(policy_and_tokenizer):
     policy, tokenizer = policy_and_tokenizer
-    module = GRPOModule(policy, GRPOObjective(beta=0.1, kl_in_reward=True), IterationShape(prompts=2, group_size=3, micro_batch_size=6), tokenizer=tokenizer)
+    module = GRPOModule(
+        policy,
+        GRPOObjective(beta=0.1, kl_in_reward=True),
+        IterationShape(prompts=2, group_size=3, micro_batch_size=6),
+        tokenizer=tokenizer,
+    )
     batch = _kl_batch(drop=(7, 2))  # prompt 7 has 2 of its 3 samples here
     zeros = torch.zeros(batch.completion_mask.shape)
     with pytest.raises(ValueError, match="whole groups"):
@@ -662,8 +810,11 @@ def test_linear_token_logprobs_entropy_and_gradients(chunk, temperature, with_bi
     assert torch.all(entropy >= 0) and torch.all(entropy <= math.log(V) + 1e-5)
 
     def loss(lp, ent):
-        terms = {"both": (lp.double() * a).sum() + (ent.double() * c).sum(),
-                 "entropy-only": (ent.double() * c).sum(), "logprob-only": (lp.double() * a).sum()}
+        terms = {
+            "both": (lp.double() * a).sum() + (ent.double() * c).sum(),
+            "entropy-only": (ent.double() * c).sum(),
+            "logprob-only": (lp.double() * a).sum(),
+        }
         return terms[upstream]
 
     grads = torch.autograd.grad(loss(logp, entropy), inputs)
@@ -686,7 +837,9 @@ def test_entropy_bonus_value_and_gradient(aggregation):
     logp, old, mask, adv = make_batch()
     entropy = torch.tensor(ENTROPY, dtype=F64, requires_grad=True)
     objective = GRPOObjective(entropy_coef=0.03, loss_aggregation=aggregation, max_length=8)
-    check_against_reference(objective, logp, old, mask, adv, entropy=entropy, entropy_coef=0.03, aggregation=aggregation, max_length=8)
+    check_against_reference(
+        objective, logp, old, mask, adv, entropy=entropy, entropy_coef=0.03, aggregation=aggregation, max_length=8
+    )
     # coefficient 0: the entropy is logged, not in the loss (and not differentiated)
     logp.grad = None
     entropy0 = torch.tensor(ENTROPY, dtype=F64, requires_grad=True)
@@ -709,11 +862,15 @@ def test_objective_through_the_kernel_with_entropy_bonus():
 
     def run(logp, entropy):
         logp, entropy = logp.view(B, T).double(), entropy.view(B, T).double()
-        old = logp.detach() + torch.tensor([[0.1, -0.3, 0.02, 0.0], [0.4, 0.0, 0.0, 0.0], [-0.05, 0.25, -0.2, 0.1]], dtype=F64)
+        old = logp.detach() + torch.tensor(
+            [[0.1, -0.3, 0.02, 0.0], [0.4, 0.0, 0.0, 0.0], [-0.05, 0.25, -0.2, 0.1]], dtype=F64
+        )
         terms = objective(logp, old, None, adv.double(), mask, None, entropy)
         return terms.loss_sum / terms.normaliser
 
-    got = torch.autograd.grad(run(*linear_token_logprobs(h, w, targets, 0.8, bias=bias, chunk_size=5, with_entropy=True)), (h, w, bias))
+    got = torch.autograd.grad(
+        run(*linear_token_logprobs(h, w, targets, 0.8, bias=bias, chunk_size=5, with_entropy=True)), (h, w, bias)
+    )
     expected = torch.autograd.grad(run(*naive_entropy_and_logprobs(h, w, bias, targets, 0.8)), (h, w, bias))
     for g, e in zip(got, expected):
         torch.testing.assert_close(g.double(), e.double(), rtol=1e-4, atol=1e-6)
@@ -730,8 +887,17 @@ def test_tis_weights_each_token_by_the_capped_ratio(ratio_level, aggregation, ti
     rollout = (old - torch.tensor(ROLLOUT_SHIFT, dtype=F64)).requires_grad_(True)
     old = old.clone().requires_grad_(True)
     objective = GRPOObjective(tis_cap=tis_cap, ratio_level=ratio_level, loss_aggregation=aggregation)
-    check_against_reference(objective, logp, old, mask, adv, rollout=rollout, tis_cap=tis_cap,
-                            ratio_level=ratio_level, aggregation=aggregation)
+    check_against_reference(
+        objective,
+        logp,
+        old,
+        mask,
+        adv,
+        rollout=rollout,
+        tis_cap=tis_cap,
+        ratio_level=ratio_level,
+        aggregation=aggregation,
+    )
     # the weight is a constant: no gradient reaches the rollout log-probs, and old_logp gets only the
     # ratio's share (log ratio = logp - old, so d/dold = -d/dlogp)
     assert rollout.grad is None
@@ -747,8 +913,21 @@ def test_tis_weights_the_policy_gradient_term_not_the_kl(estimator):
     ref = torch.tensor(REF, dtype=F64)
     entropy = torch.tensor(ENTROPY, dtype=F64, requires_grad=True)
     objective = GRPOObjective(tis_cap=2.0, beta=0.2, kl_estimator=estimator, entropy_coef=0.05, clip_eps_high=0.28)
-    check_against_reference(objective, logp, old, mask, adv, ref=ref, entropy=entropy, rollout=rollout, tis_cap=2.0,
-                            beta=0.2, kl_estimator=estimator, entropy_coef=0.05, clip_eps_high=0.28)
+    check_against_reference(
+        objective,
+        logp,
+        old,
+        mask,
+        adv,
+        ref=ref,
+        entropy=entropy,
+        rollout=rollout,
+        tis_cap=2.0,
+        beta=0.2,
+        kl_estimator=estimator,
+        entropy_coef=0.05,
+        clip_eps_high=0.28,
+    )
 
 
 def test_tis_weight_by_hand():
@@ -756,8 +935,9 @@ def test_tis_weight_by_hand():
     old = torch.zeros(1, 3, dtype=F64)
     logp = torch.zeros(1, 3, dtype=F64, requires_grad=True)  # on-policy: per-token loss -A, gradient -A
     rollout = torch.tensor([[-0.5, -1.5, 1.0]], dtype=F64)
-    terms = GRPOObjective(tis_cap=2.0, loss_aggregation="seq-mean-token-sum")(logp, old, None, torch.tensor([2.0], dtype=F64),
-                                                                          torch.ones(1, 3, dtype=torch.bool), rollout)
+    terms = GRPOObjective(tis_cap=2.0, loss_aggregation="seq-mean-token-sum")(
+        logp, old, None, torch.tensor([2.0], dtype=F64), torch.ones(1, 3, dtype=torch.bool), rollout
+    )
     weights = [math.exp(0.5), 2.0, math.exp(-1.0)]
     terms.loss_sum.backward()
     assert float(terms.loss_sum.detach()) == pytest.approx(-2.0 * sum(weights), rel=1e-12)
@@ -787,12 +967,15 @@ def test_tis_without_rollout_logprobs_raises():
 # ------------------------------------------------------------------------------------------------------
 # 8. validation messages name the option and the valid choices
 # ------------------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("option,bad,choices", [
-    ("kl_estimator", "k4", ("k1", "k2", "k3")),
-    ("advantage", "ppo", ("group", "rloo")),
-    ("ratio_level", "sample", ("token", "sequence")),
-    ("loss_aggregation", "token-sum", LOSS_AGGREGATIONS),
-])
+@pytest.mark.parametrize(
+    "option,bad,choices",
+    [
+        ("kl_estimator", "k4", ("k1", "k2", "k3")),
+        ("advantage", "ppo", ("group", "rloo")),
+        ("ratio_level", "sample", ("token", "sequence")),
+        ("loss_aggregation", "token-sum", LOSS_AGGREGATIONS),
+    ],
+)
 def test_unknown_choice_names_option_and_choices(option, bad, choices):
     with pytest.raises(ValueError) as info:
         GRPOObjective(**{option: bad})
@@ -808,16 +991,19 @@ def test_kl_estimate_unknown_estimator():
     assert "k9" in str(info.value) and all(k in str(info.value) for k in ("k1", "k2", "k3"))
 
 
-@pytest.mark.parametrize("kwargs,names", [
-    ({"loss_aggregation": "seq-mean-token-sum-norm"}, ("max_length", "seq-mean-token-sum-norm")),
-    ({"loss_aggregation": "seq-mean-token-sum-norm", "max_length": 0}, ("max_length",)),
-    ({"tis_cap": 0.5}, ("tis_cap", "0.5")),
-    ({"tis_cap": 0.0}, ("tis_cap",)),
-    ({"overlong_buffer": 0}, ("overlong_buffer", "0")),
-    ({"overlong_buffer": -3}, ("overlong_buffer", "-3")),
-    ({"clip_eps_high": 0.0}, ("clip_eps_high",)),
-    ({"entropy_coef": -0.1}, ("entropy_coef",)),
-])
+@pytest.mark.parametrize(
+    "kwargs,names",
+    [
+        ({"loss_aggregation": "seq-mean-token-sum-norm"}, ("max_length", "seq-mean-token-sum-norm")),
+        ({"loss_aggregation": "seq-mean-token-sum-norm", "max_length": 0}, ("max_length",)),
+        ({"tis_cap": 0.5}, ("tis_cap", "0.5")),
+        ({"tis_cap": 0.0}, ("tis_cap",)),
+        ({"overlong_buffer": 0}, ("overlong_buffer", "0")),
+        ({"overlong_buffer": -3}, ("overlong_buffer", "-3")),
+        ({"clip_eps_high": 0.0}, ("clip_eps_high",)),
+        ({"entropy_coef": -0.1}, ("entropy_coef",)),
+    ],
+)
 def test_bad_values_name_the_option(kwargs, names):
     with pytest.raises(ValueError) as info:
         GRPOObjective(**kwargs)

@@ -24,9 +24,9 @@ import pytest
 import torch
 
 from helpers.components import fit, make_components, policy_state, sgd
-
 from helpers.pools import InProcessPool
 from lit_parl import GRPOModule, GRPOObjective, IterationShape
+from lit_parl.data.micro_batch import Packing
 from lit_parl.kernels import attention as attention_module
 from lit_parl.kernels import backends as backends_module
 from lit_parl.kernels.backends import resolve_backend
@@ -34,7 +34,6 @@ from lit_parl.kernels.forward import completion_logprobs
 from lit_parl.kernels.packing import pack
 from lit_parl.models import tiny_qwen2
 from lit_parl.trainer.precision import enable_checkpointing
-from lit_parl.data.micro_batch import Packing
 
 
 # ------------------------------------------------------------------------------------------------------
@@ -75,8 +74,12 @@ def short_fit(precision: str, monkeypatch, **module_kwargs):
 
     monkeypatch.setitem(attention_module._KERNELS, "sdpa", spy)
     module, data = make_components(
-        pool=InProcessPool(), objective=GRPOObjective(beta=0.04), mini_batches=2,
-        datamodule_kwargs={"packing": Packing("shared_prompt")}, **sgd(1e-3), **module_kwargs,
+        pool=InProcessPool(),
+        objective=GRPOObjective(beta=0.04),
+        mini_batches=2,
+        datamodule_kwargs={"packing": Packing("shared_prompt")},
+        **sgd(1e-3),
+        **module_kwargs,
     )
     before = policy_state(module)
     trainer = fit(module, data, iterations=2, precision=precision)
@@ -113,14 +116,20 @@ def test_under_autocast_the_heads_backward_differentiates_the_logits_its_forward
 
     model = tiny_qwen2(seed=0)[0]
     tokens, temperature = micro_batch(False), 0.1
-    weights = torch.randn(tokens.completion_mask.shape, generator=torch.Generator().manual_seed(1)) * tokens.completion_mask
+    weights = (
+        torch.randn(tokens.completion_mask.shape, generator=torch.Generator().manual_seed(1)) * tokens.completion_mask
+    )
 
     def reference():
         hidden = model.get_decoder()(input_ids=tokens.input_ids, use_cache=False).last_hidden_state
         selected = hidden.reshape(-1, hidden.shape[-1])[tokens.label_positions]
         logits = F.linear(selected.bfloat16(), model.get_output_embeddings().weight.bfloat16())
         logp = torch.log_softmax(logits.float() / temperature, -1).gather(-1, tokens.label_targets[:, None])[:, 0]
-        return logp.new_zeros(tokens.completion_mask.numel()).scatter(0, tokens.label_slots, logp).view(tokens.completion_mask.shape)
+        return (
+            logp.new_zeros(tokens.completion_mask.numel())
+            .scatter(0, tokens.label_slots, logp)
+            .view(tokens.completion_mask.shape)
+        )
 
     results = []
     for compute in (lambda: completion_logprobs(model, tokens, temperature), reference):
@@ -141,7 +150,9 @@ def test_under_autocast_the_heads_backward_differentiates_the_logits_its_forward
 
 
 def test_bfloat16_weights_lose_the_small_updates_and_are_warned_about(monkeypatch):
-    with pytest.warns(UserWarning, match=r"trained in half precision.*precision='bf16-true'.*updates smaller than about 2\^-8"):
+    with pytest.warns(
+        UserWarning, match=r"trained in half precision.*precision='bf16-true'.*updates smaller than about 2\^-8"
+    ):
         module, before, seen = short_fit("bf16-true", monkeypatch)
     assert {p.dtype for p in module.policy.parameters()} == {torch.bfloat16}
     assert changed_share(before, policy_state(module)) < 0.1  # the same steps as above, almost all rounded away
@@ -151,9 +162,13 @@ def test_a_policy_loaded_in_bfloat16_is_warned_about_and_the_compute_dtype_follo
     from types import SimpleNamespace
 
     policy, _ = tiny_qwen2()
-    module = GRPOModule(policy.to(torch.bfloat16), GRPOObjective(), IterationShape(prompts=2, group_size=2, micro_batch_size=4))
+    module = GRPOModule(
+        policy.to(torch.bfloat16), GRPOObjective(), IterationShape(prompts=2, group_size=2, micro_batch_size=4)
+    )
     module._trainer = SimpleNamespace(precision="bf16-mixed", strategy=None)
-    with pytest.warns(UserWarning, match=r"half precision \(the policy was loaded in torch.bfloat16\).*model.dtype=float32"):
+    with pytest.warns(
+        UserWarning, match=r"half precision \(the policy was loaded in torch.bfloat16\).*model.dtype=float32"
+    ):
         module.setup("fit")
     float32 = GRPOModule(tiny_qwen2()[0], GRPOObjective(), IterationShape(prompts=2, group_size=2, micro_batch_size=4))
     assert float32.compute_dtype("bf16-mixed") == float32.compute_dtype("bf16-true") == torch.bfloat16
@@ -188,7 +203,10 @@ def test_auto_attention_for_the_trainers_precision_on_cuda(monkeypatch):
 def micro_batch(shared_prompt: bool):
     rng = random.Random(0)
     groups = [
-        ([rng.randrange(3, 14) for _ in range(P)], [[rng.randrange(3, 14) for _ in range(rng.randint(1, 6))] for _ in range(G)])
+        (
+            [rng.randrange(3, 14) for _ in range(P)],
+            [[rng.randrange(3, 14) for _ in range(rng.randint(1, 6))] for _ in range(G)],
+        )
         for P, G in ((5, 4), (1, 3), (9, 4))
     ]
     tokens = pack(groups, 0, shared_prompt=shared_prompt, max_row_tokens=24 if shared_prompt else None)
@@ -215,7 +233,9 @@ def count_layer_forwards(model) -> list[int]:
 def logprobs_and_gradients(model, tokens, compute=None):
     """Log-probs and every parameter's gradient of a weighted sum of them, with the bytes autograd saved."""
     compute = compute or functools.partial(completion_logprobs, model, tokens, 0.7)
-    weights = torch.randn(tokens.completion_mask.shape, generator=torch.Generator().manual_seed(1)) * tokens.completion_mask
+    weights = (
+        torch.randn(tokens.completion_mask.shape, generator=torch.Generator().manual_seed(1)) * tokens.completion_mask
+    )
     saved = [0]
 
     def keep(tensor):
@@ -280,7 +300,9 @@ def test_checkpointing_composes_with_fsdp2_and_fsdp1_wrapping_on_one_rank():
                 logp, grads, _ = logprobs_and_gradients(policy, tokens, lambda: root(tokens, 0.7, 1024, False))
                 grads = [g.full_tensor() for g in grads]
             else:
-                with enable_wrap(wrapper_cls=FullyShardedDataParallel, device_id=torch.device("cpu"), use_orig_params=True):
+                with enable_wrap(
+                    wrapper_cls=FullyShardedDataParallel, device_id=torch.device("cpu"), use_orig_params=True
+                ):
                     unit = wrap_for_fsdp1(policy)
                 compute = functools.partial(completion_logprobs, unit.module, tokens, 0.7, 1024, False)
                 logp, _, _ = logprobs_and_gradients(unit, tokens, lambda: forward_through(unit, compute))
@@ -305,11 +327,17 @@ def test_the_modules_option_checkpoints_the_policy_only_and_trains_the_same_weig
     results = {}
     for flag in (False, True):
         module, data = make_components(
-            pool=InProcessPool(), objective=GRPOObjective(beta=0.04), mini_batches=2, datamodule_kwargs={"packing": Packing(packing)},
-            gradient_checkpointing=flag, **sgd(0.5),
+            pool=InProcessPool(),
+            objective=GRPOObjective(beta=0.04),
+            mini_batches=2,
+            datamodule_kwargs={"packing": Packing(packing)},
+            gradient_checkpointing=flag,
+            **sgd(0.5),
         )
         assert module.gradient_checkpointing is flag
-        assert layer_flags(module.policy) == {flag} and layer_flags(module.old) == layer_flags(module.reference) == {False}
+        assert layer_flags(module.policy) == {flag} and layer_flags(module.old) == layer_flags(module.reference) == {
+            False
+        }
         calls = count_layer_forwards(module.policy)
         fit(module, data, iterations=2)
         results[flag] = (policy_state(module), calls[0])

@@ -24,11 +24,11 @@ import random
 import torch
 from lightning.pytorch import Callback
 
+from helpers.components import SAMPLING, fit, make_components, policy_state
+from helpers.pools import WrappedPool
 from lit_parl import GRPOObjective
 from lit_parl.rollout import HFRolloutPool
 from lit_parl.tasks import CopyTask
-from helpers.components import SAMPLING, fit, make_components, policy_state
-from helpers.pools import WrappedPool
 
 ATOL, RTOL = 1e-6, 1e-5
 LR = 0.3
@@ -64,7 +64,9 @@ class RecordingPool(WrappedPool):
     def transform(self, groups):
         for group in groups:
             if self.perturb:
-                group.logprobs = [[lp + (-0.3 if t % 2 == 0 else 0.2) for t, lp in enumerate(row)] for row in group.logprobs]
+                group.logprobs = [
+                    [lp + (-0.3 if t % 2 == 0 else 0.2) for t, lp in enumerate(row)] for row in group.logprobs
+                ]
             yield group
 
 
@@ -79,7 +81,9 @@ class MicroBatchRecorder(Callback):
         self.starts.append(policy_state(pl_module))
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
-        self.batches.append((trainer.current_epoch, list(zip(batch.prompt_ids, batch.sample_indices)), bool(batch.ends_step)))
+        self.batches.append(
+            (trainer.current_epoch, list(zip(batch.prompt_ids, batch.sample_indices)), bool(batch.ends_step))
+        )
 
 
 # -- the reference -------------------------------------------------------------------------------------
@@ -106,15 +110,27 @@ def group_advantages(rewards: torch.Tensor) -> torch.Tensor:
     return (rewards - rewards.mean()) / (rewards.std() + EPS)
 
 
-def reference_fit(initial, pool: RecordingPool, recorder: MicroBatchRecorder, options: dict, lr: float, temperature: float,
-                  max_grad_norm: float | None = None, norms: list | None = None):
+def reference_fit(
+    initial,
+    pool: RecordingPool,
+    recorder: MicroBatchRecorder,
+    options: dict,
+    lr: float,
+    temperature: float,
+    max_grad_norm: float | None = None,
+    norms: list | None = None,
+):
     """The weights at the start of each iteration and at the end, training on the recorded micro-batches; with
     ``max_grad_norm``, each step's gradient (of the mini-batch's mean loss) scaled to at most that global norm,
     and its norm before clipping appended to ``norms``."""
     eps_low = options.get("clip_eps", 0.2)
     eps_high = options.get("clip_eps_high") or eps_low
     beta, estimator = options.get("beta", 0.0), options.get("kl_estimator", "k3")
-    kl_in_reward, entropy_coef, cap = options.get("kl_in_reward", False), options.get("entropy_coef", 0.0), options.get("tis_cap")
+    kl_in_reward, entropy_coef, cap = (
+        options.get("kl_in_reward", False),
+        options.get("entropy_coef", 0.0),
+        options.get("tis_cap"),
+    )
     aggregation = options.get("loss_aggregation", "seq-mean-token-mean")
     assert aggregation in ("token-mean", "seq-mean-token-mean"), f"the reference does not implement {aggregation}"
     groups = {g.prompt_id: g for g in pool.returned}
@@ -131,7 +147,11 @@ def reference_fit(initial, pool: RecordingPool, recorder: MicroBatchRecorder, op
             for p in prompt_ids:
                 group = groups[p]
                 for k, completion in zip(group.sample_indices, group.completions):
-                    data[p, k] = (pool.prompts[p], completion, torch.tensor(group.logprobs[group.sample_indices.index(k)]))
+                    data[p, k] = (
+                        pool.prompts[p],
+                        completion,
+                        torch.tensor(group.logprobs[group.sample_indices.index(k)]),
+                    )
                     old[p, k] = sample_logprobs(theta_k, pool.prompts[p], completion, temperature)
                     if beta > 0:
                         ref[p, k] = sample_logprobs(reference, pool.prompts[p], completion, temperature)
@@ -140,7 +160,9 @@ def reference_fit(initial, pool: RecordingPool, recorder: MicroBatchRecorder, op
             keys = [(p, k) for k in groups[p].sample_indices]
             rewards = torch.tensor([dense_reward(data[key][1]) for key in keys], dtype=torch.float64)
             if kl_in_reward:  # r - β Σ_t KL_t(θ_k || reference), then the group's advantages
-                rewards = rewards - beta * torch.stack([kl(old[key], ref[key], estimator).sum().double() for key in keys])
+                rewards = rewards - beta * torch.stack(
+                    [kl(old[key], ref[key], estimator).sum().double() for key in keys]
+                )
             advantages.update(zip(keys, group_advantages(rewards).tolist()))
 
         total, normaliser = 0.0, 0.0
@@ -180,12 +202,25 @@ def reference_fit(initial, pool: RecordingPool, recorder: MicroBatchRecorder, op
 
 
 # -- running both ------------------------------------------------------------------------------------
-def check_against_reference(options: dict, lr: float = LR, iterations: int = 2, perturb: bool = False,
-                            max_grad_norm: float | None = None, norms: list | None = None, **shape):
-    pool = RecordingPool(HFRolloutPool(num_workers=1, threads_per_worker=1, prompts_per_request=2, colocated_threads=1), perturb)
+def check_against_reference(
+    options: dict,
+    lr: float = LR,
+    iterations: int = 2,
+    perturb: bool = False,
+    max_grad_norm: float | None = None,
+    norms: list | None = None,
+    **shape,
+):
+    pool = RecordingPool(
+        HFRolloutPool(num_workers=1, threads_per_worker=1, prompts_per_request=2, colocated_threads=1), perturb
+    )
     module, datamodule = make_components(
-        pool=pool, task=DenseTask(seed=0), objective=GRPOObjective(**options), max_grad_norm=max_grad_norm,
-        optimizer=functools.partial(torch.optim.SGD, lr=lr), **shape,
+        pool=pool,
+        task=DenseTask(seed=0),
+        objective=GRPOObjective(**options),
+        max_grad_norm=max_grad_norm,
+        optimizer=functools.partial(torch.optim.SGD, lr=lr),
+        **shape,
     )
     if perturb:
         datamodule.logprob_tolerance = None  # the shifted log-probs are deliberate: no on-policy check
@@ -199,7 +234,9 @@ def check_against_reference(options: dict, lr: float = LR, iterations: int = 2, 
     assert moved > 1e-3, f"the reference barely moved the weights ({moved:.2g}): the comparison would prove nothing"
     for iteration, (a, b) in enumerate(zip(got, expected)):
         for name in b:
-            torch.testing.assert_close(a[name], b[name], atol=ATOL, rtol=RTOL, msg=lambda m: f"after {iteration} iteration(s), {name}: {m}")
+            torch.testing.assert_close(
+                a[name], b[name], atol=ATOL, rtol=RTOL, msg=lambda m: f"after {iteration} iteration(s), {name}: {m}"
+            )
     return recorder
 
 

@@ -45,14 +45,14 @@ from pathlib import Path
 import pytest
 import torch
 from hydra import compose, initialize_config_module
-from lit_parl.kernels.forward import completion_logprobs
-from lit_parl.kernels.packing import pack
 
 from lit_parl.cli import build
+from lit_parl.kernels.forward import completion_logprobs
+from lit_parl.kernels.packing import pack
 from lit_parl.models import tiny_qwen2
 from lit_parl.rollout import PoolHealth, PoolSpec, VLLMRolloutPool
-from lit_parl.tasks import CopyTask
 from lit_parl.rollout.records import GroupCompletions, GroupRequest, SamplingParams, sample_seed
+from lit_parl.tasks import CopyTask
 
 # Where vLLM is not installed (the project's main environment), the whole module is skipped. An installed
 # vLLM that fails to import is an error, not a skip. This is not a conftest.py: a second module named
@@ -100,12 +100,14 @@ def group_requests(
     requests = []
     for prompt_id in prompts:
         prompt, answer = task.make(prompt_id)
-        requests.append(GroupRequest(
-            prompt_id=prompt_id,
-            prompt_tokens=tuple(tokenizer(prompt, add_special_tokens=False).input_ids),
-            version=version,
-            seeds=tuple(sample_seed(run_seed, version, prompt_id, s) for s in range(group_size)),
-        ))
+        requests.append(
+            GroupRequest(
+                prompt_id=prompt_id,
+                prompt_tokens=tuple(tokenizer(prompt, add_special_tokens=False).input_ids),
+                version=version,
+                seeds=tuple(sample_seed(run_seed, version, prompt_id, s) for s in range(group_size)),
+            )
+        )
     return requests
 
 
@@ -466,7 +468,8 @@ def test_a_vllm_worker_killed_mid_generation_is_replaced_and_its_groups_come_bac
 
 def test_a_sigkilled_trainer_takes_its_vllm_worker_with_it(tmp_path):
     script = tmp_path / "trainer.py"
-    script.write_text(textwrap.dedent(f"""
+    script.write_text(
+        textwrap.dedent(f"""
         import time
         from lit_parl.models import tiny_qwen2
         from lit_parl.rollout import PoolSpec, VLLMRolloutPool
@@ -480,7 +483,8 @@ def test_a_sigkilled_trainer_takes_its_vllm_worker_with_it(tmp_path):
             pool.sync_weights([list(model.named_parameters())], 0)
             print("ready", *pool.pids(), flush=True)
             time.sleep(600)
-    """))
+    """)
+    )
     proc = subprocess.Popen(
         [sys.executable, str(script)], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True
     )
@@ -587,7 +591,8 @@ def test_the_vllm_functions_the_pool_calls_still_take_its_arguments():
     from vllm.model_executor.models.qwen2 import Qwen2ForCausalLM
     from vllm.outputs import CompletionOutput
     from vllm.platforms import current_platform
-    from vllm.sampling_params import RequestOutputKind, SamplingParams as VLLMSamplingParams
+    from vllm.sampling_params import RequestOutputKind
+    from vllm.sampling_params import SamplingParams as VLLMSamplingParams
     from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
     from vllm.v1.worker.cpu_worker import CPUWorker
     from vllm.v1.worker.gpu.model_runner import GPUModelRunner as GPUModelRunnerV2
@@ -607,7 +612,8 @@ def test_the_vllm_functions_the_pool_calls_still_take_its_arguments():
         (GPUModelRunner.reload_weights, (None,), {"weights_iterator": weights, "is_checkpoint_format": True}),
         (GPUModelRunnerV2.reload_weights, (None,), {"weights_iterator": weights, "is_checkpoint_format": True}),
         (
-            inplace.reload_weights, (None, None),
+            inplace.reload_weights,
+            (None, None),
             {"weights_iterator": weights, "weights_path": None, "is_checkpoint_format": True},
         ),
         (layerwise.initialize_layerwise_reload, (None,), {}),
@@ -642,8 +648,18 @@ def test_the_vllm_functions_the_pool_calls_still_take_its_arguments():
     args = pool.engine_args
     assert set(args) | {"model", "logprobs_mode"} <= fields, sorted(set(args) - fields)
     VLLMSamplingParams(
-        n=1, seed=1, temperature=1.0, top_p=1.0, top_k=0, max_tokens=4, stop_token_ids=[1], ignore_eos=True, stop=None,
-        logprobs=0, detokenize=False, output_kind=RequestOutputKind.FINAL_ONLY,
+        n=1,
+        seed=1,
+        temperature=1.0,
+        top_p=1.0,
+        top_k=0,
+        max_tokens=4,
+        stop_token_ids=[1],
+        ignore_eos=True,
+        stop=None,
+        logprobs=0,
+        detokenize=False,
+        output_kind=RequestOutputKind.FINAL_ONLY,
     )
     read = {"token_ids", "logprobs", "finish_reason", "weight_versions"}
     assert read <= {f.name for f in dataclasses.fields(CompletionOutput)}
@@ -652,10 +668,19 @@ def test_the_vllm_functions_the_pool_calls_still_take_its_arguments():
 # -- training -----------------------------------------------------------------------------------------
 def test_three_iterations_of_the_default_job_through_the_cli_on_vllm(tmp_path):
     with initialize_config_module(config_module="lit_parl.conf", version_base="1.3"):
-        cfg = compose(config_name="config", overrides=[
-            "pool=vllm", "iterations=3", f"run_dir={tmp_path}", "checkpoint_every=0", "trainer.max_time=00:00:10:00",
-            "shape.prompts=8", "shape.micro_batch_size=16", f"pool.kv_cache_memory_bytes={KV_CACHE}",
-        ])
+        cfg = compose(
+            config_name="config",
+            overrides=[
+                "pool=vllm",
+                "iterations=3",
+                f"run_dir={tmp_path}",
+                "checkpoint_every=0",
+                "trainer.max_time=00:00:10:00",
+                "shape.prompts=8",
+                "shape.micro_batch_size=16",
+                f"pool.kv_cache_memory_bytes={KV_CACHE}",
+            ],
+        )
     module, datamodule, trainer = build(cfg)
     assert isinstance(datamodule.pool, VLLMRolloutPool)
     initial = {k: v.detach().clone() for k, v in module.policy.state_dict().items()}
@@ -690,7 +715,6 @@ def test_three_iterations_of_the_default_job_through_the_cli_on_vllm(tmp_path):
     moved = any(not torch.equal(initial[k], v) for k, v in module.policy.state_dict().items())
     assert moved, "training did not move the policy"
     assert not _wait_gone(workers, 10.0), "vLLM workers outlived the fit"
-
 
 
 def test_the_gpu_checks_vllm_section_runs_its_sequence_on_the_cpu_build(tmp_path):

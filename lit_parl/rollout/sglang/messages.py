@@ -43,7 +43,7 @@ class Ends:
     decode: Callable[[list[int]], str] | None = None
 
     @classmethod
-    def of(cls, sampling: SamplingParams, eos_id: int, decode: Callable[[list[int]], str] | None = None) -> "Ends":
+    def of(cls, sampling: SamplingParams, eos_id: int, decode: Callable[[list[int]], str] | None = None) -> Ends:
         if sampling.stop and decode is None:
             raise ValueError("Ends: stop strings need decode, to read completions cut at the length limit")
         return cls(frozenset({eos_id, *sampling.stop_token_ids}), sampling.stop, sampling.max_new_tokens, decode)

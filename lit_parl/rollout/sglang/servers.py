@@ -122,7 +122,11 @@ class ServerFleet:
         with open(log_path, "wb") as log:
             # a session of its own: stop_launched stops the server's whole process tree with one signal
             process = subprocess.Popen(
-                command, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True,
+                command,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=env,
+                start_new_session=True,
                 preexec_fn=die_with_parent,
             )
         return Server(url=url, process=process, log_path=log_path)

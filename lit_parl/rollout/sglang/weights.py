@@ -163,8 +163,11 @@ class WeightUpdater:
         address, port, backend = self.dist
         world_size = 1 + self.tp_size * len(everyone)
         body = {
-            "master_address": address, "master_port": port, "world_size": world_size,
-            "group_name": self.group_name, "backend": backend,
+            "master_address": address,
+            "master_port": port,
+            "world_size": world_size,
+            "group_name": self.group_name,
+            "backend": backend,
         }
 
         def join(server: Server):

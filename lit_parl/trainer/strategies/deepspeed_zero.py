@@ -85,12 +85,16 @@ class DeepSpeedAdapter(StrategyAdapter):
                 f"{max_grad_norm}): the module's setting is the one to use; remove gradient_clipping from the config"
             )
         config["gradient_clipping"] = clipping  # DeepSpeed clips at its step, after the normaliser is applied
-        if (config.get("bf16") or {}).get("check_grad_overflow", True) is False or config["zero_optimization"].get("compute_grad_norm", True) is False:
+        if (config.get("bf16") or {}).get("check_grad_overflow", True) is False or config["zero_optimization"].get(
+            "compute_grad_norm", True
+        ) is False:
             raise ValueError(
                 "the DeepSpeed config turns off bf16.check_grad_overflow or zero_optimization.compute_grad_norm: lit_parl "
                 "relies on DeepSpeed's gradient norm to skip a non-finite step and to log it; remove those settings"
             )
-        config.setdefault("train_micro_batch_size_per_gpu", micro_batch_size)  # DeepSpeed's logs; Lightning would read a loader for it
+        config.setdefault(
+            "train_micro_batch_size_per_gpu", micro_batch_size
+        )  # DeepSpeed's logs; Lightning would read a loader for it
 
     def configure_model(self, module) -> None:
         if not self.strategy.zero_stage_3:
@@ -122,7 +126,10 @@ class DeepSpeedAdapter(StrategyAdapter):
 
         with torch.no_grad():
             for (_, s), (_, t) in zip(source.named_parameters(), target.named_parameters(), strict=True):
-                with deepspeed.zero.GatheredParameters([s], modifier_rank=None), deepspeed.zero.GatheredParameters([t], modifier_rank=0):
+                with (
+                    deepspeed.zero.GatheredParameters([s], modifier_rank=None),
+                    deepspeed.zero.GatheredParameters([t], modifier_rank=0),
+                ):
                     if dist.get_rank() == 0:  # rank 0's copy is what every rank keeps its partition of
                         t.data.copy_(s.data)
 
@@ -133,7 +140,9 @@ class DeepSpeedAdapter(StrategyAdapter):
     def step(self, optimizer, policy, scale, max_grad_norm, decide, flagged):
         """DeepSpeed scales and clips its partitioned gradient at its step, and skips a step that is not finite."""
         engine = self.strategy.deepspeed_engine
-        if flagged:  # decided (recorded, or raised) here; skipped by DeepSpeed's own step, which also clears its buffers
+        if (
+            flagged
+        ):  # decided (recorded, or raised) here; skipped by DeepSpeed's own step, which also clears its buffers
             decide(torch.zeros(()))
             deepspeed_step(engine, optimizer, math.nan)
             return None

@@ -31,8 +31,10 @@ def wrap_for_fsdp1(model: PreTrainedModel, sharding_strategy=None, frozen: bool 
     from torch.distributed.fsdp import ShardingStrategy
     from torch.distributed.fsdp.wrap import ModuleWrapPolicy, wrap
 
-    resharded = {ShardingStrategy.SHARD_GRAD_OP: ShardingStrategy.FULL_SHARD,
-                 ShardingStrategy._HYBRID_SHARD_ZERO2: ShardingStrategy.HYBRID_SHARD}
+    resharded = {
+        ShardingStrategy.SHARD_GRAD_OP: ShardingStrategy.FULL_SHARD,
+        ShardingStrategy._HYBRID_SHARD_ZERO2: ShardingStrategy.HYBRID_SHARD,
+    }
     overrides = {"sharding_strategy": resharded[sharding_strategy]} if frozen and sharding_strategy in resharded else {}
     return wrap(model, auto_wrap_policy=ModuleWrapPolicy({type(layer) for layer in decoder_layers(model)}), **overrides)
 
@@ -63,7 +65,9 @@ class FSDP1Adapter(StrategyAdapter):
         strategy = self.strategy
         mixed = strategy.mixed_precision_config
         if strategy.mixed_precision is None and mixed is not None and mixed.param_dtype is not None:
-            strategy.mixed_precision = MixedPrecision(param_dtype=mixed.param_dtype, reduce_dtype=torch.float32, buffer_dtype=torch.float32)
+            strategy.mixed_precision = MixedPrecision(
+                param_dtype=mixed.param_dtype, reduce_dtype=torch.float32, buffer_dtype=torch.float32
+            )
 
     def configure_model(self, module) -> None:
         if is_sharded(module.policy):  # a second fit: wrapped already
@@ -71,7 +75,9 @@ class FSDP1Adapter(StrategyAdapter):
         sharding = self.strategy.sharding_strategy
         module.policy = wrap_for_fsdp1(module.policy, sharding)
         module.old = wrap_for_fsdp1(module.old, sharding, frozen=True) if module.old is not None else None
-        module.reference = wrap_for_fsdp1(module.reference, sharding, frozen=True) if module.reference is not None else None
+        module.reference = (
+            wrap_for_fsdp1(module.reference, sharding, frozen=True) if module.reference is not None else None
+        )
 
     def logprobs(self, model, tokens, temperature, chunk_size, with_entropy):
         compute = functools.partial(completion_logprobs, model.module, tokens, temperature, chunk_size, with_entropy)
@@ -85,8 +91,10 @@ class FSDP1Adapter(StrategyAdapter):
 
         with torch.no_grad():
             for (source_unit, s), (target_unit, t) in zip(fsdp1_units(source), fsdp1_units(target), strict=True):
-                with FSDP.summon_full_params(source_unit, recurse=False, writeback=False), \
-                        FSDP.summon_full_params(target_unit, recurse=False, writeback=True):
+                with (
+                    FSDP.summon_full_params(source_unit, recurse=False, writeback=False),
+                    FSDP.summon_full_params(target_unit, recurse=False, writeback=True),
+                ):
                     copy_local(s, t)
 
     def clip_gradients(self, model, max_norm):

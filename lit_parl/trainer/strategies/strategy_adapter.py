@@ -68,8 +68,15 @@ class StrategyAdapter:
     def ends_step(self, ends_step: bool) -> None:
         """Before each micro-batch's backward: whether an optimizer step follows it."""
 
-    def step(self, optimizer, policy: torch.nn.Module, scale: float, max_grad_norm: float | None, decide: StepDecision,
-             flagged: bool) -> torch.Tensor | None:
+    def step(
+        self,
+        optimizer,
+        policy: torch.nn.Module,
+        scale: float,
+        max_grad_norm: float | None,
+        decide: StepDecision,
+        flagged: bool,
+    ) -> torch.Tensor | None:
         """Multiply the accumulated gradient by ``scale``, clip its global norm to ``max_grad_norm`` (``None``: no
         clipping) and take the optimizer step if ``decide(norm)`` allows it. ``flagged``: a rank saw a non-finite
         value (``decide`` says no then). Returns the norm before clipping, the same on every rank, or ``None``
@@ -98,7 +105,9 @@ def copy_local(source: list[tuple[str, torch.Tensor]], target: list[tuple[str, t
         s = s.to_local() if hasattr(s, "to_local") else s
         t = t.to_local() if hasattr(t, "to_local") else t
         if s.shape != t.shape:
-            raise RuntimeError(f"{name} is sharded differently in the two models on this rank ({tuple(s.shape)} and {tuple(t.shape)})")
+            raise RuntimeError(
+                f"{name} is sharded differently in the two models on this rank ({tuple(s.shape)} and {tuple(t.shape)})"
+            )
         t.copy_(s)
 
 
@@ -128,5 +137,7 @@ def decoder_layers(model) -> torch.nn.ModuleList:
     """The decoder's layers, each a unit of its own under FSDP1 and FSDP2."""
     layers = getattr(model.get_decoder(), "layers", None)
     if layers is None:
-        raise ValueError(f"{type(model).__name__} has no decoder `layers` to shard one by one (Llama, Qwen2/3, Mistral families)")
+        raise ValueError(
+            f"{type(model).__name__} has no decoder `layers` to shard one by one (Llama, Qwen2/3, Mistral families)"
+        )
     return layers
