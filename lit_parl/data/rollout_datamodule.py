@@ -23,6 +23,7 @@ from lightning.pytorch.accelerators import CPUAccelerator
 from torch.utils.data import DataLoader
 from transformers import AutoConfig, PreTrainedModel, PreTrainedTokenizerBase
 
+from lit_parl.data.argument_checks import check_arguments
 from lit_parl.data.evaluator import EvalSettings, Evaluator
 from lit_parl.data.group_acceptor import Advantages, GroupAcceptor
 from lit_parl.data.group_scorer import GroupScorer
@@ -39,20 +40,15 @@ from lit_parl.data.rank_share import RankShare, SlotExchange
 from lit_parl.data.resume_point import ResumePoint
 from lit_parl.data.version_gate import VersionGate
 from lit_parl.errors import OffPolicyError
-from lit_parl.models.limits import check_context, context_length
+from lit_parl.models.limits import context_length
 from lit_parl.prompts.prompt_format import PromptFormat
 from lit_parl.prompts.prompt_row import PromptSource
 from lit_parl.rewards.scoring_policy import ScoringPolicy
 from lit_parl.rollout.records import SamplingParams
 from lit_parl.rollout.rollout_pool import PoolSpec, RolloutPool, widened_for_trainer
+from lit_parl.settings import as_settings
 
-MODES = ("async", "sync")
 HISTORY_KEPT = 64  # iterations whose IterationStats stay in `history` (callbacks read the last one)
-
-
-def _as(kind, value):
-    """A settings object from itself, a dict of its fields (Hydra, JSON) or None (the defaults)."""
-    return value if isinstance(value, kind) else kind(**(value or {}))
 
 
 class RolloutDataModule(LightningDataModule):
@@ -116,51 +112,28 @@ class RolloutDataModule(LightningDataModule):
         correct_reward: float = 1.0,
     ) -> None:
         super().__init__()
-        if mode not in MODES:
-            raise ValueError(f"RolloutDataModule(mode={mode!r}); choose one of {MODES}")
-        if not isinstance(pool, RolloutPool):
-            raise TypeError(
-                f"RolloutDataModule(pool={type(pool).__name__}): a pool subclasses lit_parl.rollout.RolloutPool"
-            )
+        self.sampling = as_settings(SamplingParams, sampling)
+        given = isinstance(initial_model, PreTrainedModel)
+        config = initial_model.config if given else AutoConfig.from_pretrained(initial_model)
+        # limits known now fail now, before any engine starts
+        check_arguments(mode, pool, self.sampling, logprob_tolerance, config, shape)
         self.data, self.pool, self.tokenizer, self.shape, self.mode = data, pool, tokenizer, shape, mode
         self.objective = objective
-        self.sampling = _as(SamplingParams, sampling)
-        if self.sampling.greedy:
-            raise ValueError(
-                "sampling.temperature=0 (greedy) cannot train: GRPO needs a distribution to sample and differentiate; greedy is for evaluation"
-            )
-        self.packing = _as(Packing, packing)
-        self.prompt_format = _as(PromptFormat, prompt_format)
+        self.packing = as_settings(Packing, packing)
+        self.prompt_format = as_settings(PromptFormat, prompt_format)
         self.correct_reward = correct_reward
         self.max_sampling_rounds, self.prefetch, self.trainer_threads = max_sampling_rounds, prefetch, trainer_threads
-        if not (
-            logprob_tolerance is None
-            or logprob_tolerance == "auto"
-            or (isinstance(logprob_tolerance, (int, float)) and logprob_tolerance > 0)
-        ):
-            raise ValueError(
-                f"RolloutDataModule(logprob_tolerance={logprob_tolerance!r}): give a number > 0, 'auto' (the pool's) or None (no check)"
-            )
         self.logprob_tolerance = logprob_tolerance
-        config = (
-            initial_model.config
-            if isinstance(initial_model, PreTrainedModel)
-            else AutoConfig.from_pretrained(initial_model)
-        )
-        check_context(config, self.sampling.max_new_tokens)  # limits known now fail now, before any engine starts
         token_limit = self.prompt_format.token_limit(context_length(config), self.sampling.max_new_tokens)
         self.schedule = PromptSchedule(data, tokenizer, shape.group_size, seed, self.prompt_format, token_limit)
         self.gate = VersionGate(gate_timeout_s)
-        self.scorer = GroupScorer(rewards, tokenizer, score_workers, _as(ScoringPolicy, scoring))
-        self.evaluation = _as(EvalSettings, evaluation)
-        held_out = (
-            eval_data
-            if eval_data is not None or not self.evaluation.enabled
-            else getattr(data, "evaluation", lambda: None)()
-        )
+        self.scorer = GroupScorer(rewards, tokenizer, score_workers, as_settings(ScoringPolicy, scoring))
+        self.evaluation = as_settings(EvalSettings, evaluation)
+        if eval_data is None and self.evaluation.enabled:
+            eval_data = getattr(data, "evaluation", lambda: None)()
         self.evaluator = Evaluator.for_run(
             self.evaluation,
-            held_out,
+            eval_data,
             lambda rows: PromptSchedule(rows, tokenizer, 1, f"{seed}/eval", self.prompt_format, token_limit),
             self.scorer,
             correct_reward,
@@ -172,18 +145,12 @@ class RolloutDataModule(LightningDataModule):
         self.slots = SlotExchange()  # dynamic sampling's open slots of every rank (set up under W ranks)
         self.iterations_done = 0
         self.resume = ResumePoint()  # where a checkpoint left the current iteration
-        # Lightning warns that a mid-epoch resume of a dataloader without state_dict is unreliable; this one resumes
-        # exactly (the stream leaves out what the checkpoint trained and checks Lightning's position against it)
-        warnings.filterwarnings(
-            "ignore", message=r"You're resuming from a checkpoint that ended before the epoch ended"
-        )
+        # Lightning warns that a mid-epoch resume is unreliable: this one is exact (the stream skips what was trained)
+        warnings.filterwarnings("ignore", message=r"You're resuming from a checkpoint that ended before the epoch")
         self.history: deque[IterationStats] = deque(maxlen=HISTORY_KEPT)  # the last few: a long run holds the same
         self._use_prefetch = bool(prefetch)
-        self.start = IterationStart(
-            self.gate, self._start_iteration
-        )  # the opened iteration, before its stream takes it
+        self.start = IterationStart(self.gate, self._start_iteration)  # the opened iteration, before its stream
         self._model_dir = InitialModelDir(initial_model, tokenizer)  # what the pool's engines start from
-        pool.check_capacity(shape, self.sampling)
 
     # -- Lightning hooks -------------------------------------------------------------------------------
     def setup(self, stage: str) -> None:
@@ -208,9 +175,7 @@ class RolloutDataModule(LightningDataModule):
     def _setup_ranks(self, world: int, rank: int) -> None:
         """Each rank trains its ``RankShare`` of every iteration, from a pool of its own (docs/design.md, "Ranks")."""
         self.share = RankShare(self.shape, world, rank)
-        if self.pool.shared_across_ranks:
-            # refused: every rank would push its own weights to the same servers; one rank pushing while the
-            # others wait for the confirmed version is issue 15's work
+        if self.pool.shared_across_ranks:  # every rank would push its own weights to the same servers
             raise ValueError(
                 f"{type(self.pool).__name__} is one pool for all ranks, which a run of {world} ranks cannot share: "
                 "use an embedded pool (pool=hf or pool=vllm: each rank starts its own) or train on one device"
@@ -228,15 +193,14 @@ class RolloutDataModule(LightningDataModule):
     def transfer_batch_to_device(self, batch, device: torch.device, dataloader_idx: int):
         # Micro-batches are built on the CPU; when training there, skip Lightning's generic walk over the
         # nested layout (measured at ~5 ms per step on the default job, about a fifth of a step).
-        if isinstance(batch, MicroBatch) and batch.advantages.device == device:
+        if not isinstance(batch, MicroBatch):
+            return super().transfer_batch_to_device(batch, device, dataloader_idx)
+        if batch.advantages.device == device:
             return batch
-        if isinstance(batch, MicroBatch):  # the trajectories are for logs, on the CPU: keep them out of the walk
-            moved = super().transfer_batch_to_device(
-                dataclasses.replace(batch, trajectories=[]), device, dataloader_idx
-            )
-            moved.trajectories = batch.trajectories
-            return moved
-        return super().transfer_batch_to_device(batch, device, dataloader_idx)
+        trajectories = batch.trajectories  # for logs, on the CPU: kept out of the walk
+        moved = super().transfer_batch_to_device(dataclasses.replace(batch, trajectories=[]), device, dataloader_idx)
+        moved.trajectories = trajectories
+        return moved
 
     def train_dataloader(self) -> DataLoader:
         return DataLoader(IterationStream(self), batch_size=None, num_workers=0, collate_fn=lambda batch: batch)
@@ -245,12 +209,9 @@ class RolloutDataModule(LightningDataModule):
         return DataLoader(EvalStream(self), batch_size=None, num_workers=0, collate_fn=lambda batch: batch)
 
     def state_dict(self) -> dict:
-        return {
-            **self.schedule.state_dict(),
-            **self.gate.state_dict(),
-            "iterations_done": self.iterations_done,
-            **ResumePoint.saved(self.trainer, self.share, self.iterations_done),
-        }
+        done = self.iterations_done
+        resume = ResumePoint.saved(self.trainer, self.share, done)
+        return {**self.schedule.state_dict(), **self.gate.state_dict(), "iterations_done": done, **resume}
 
     def load_state_dict(self, state_dict: dict) -> None:
         self.schedule.load_state_dict(state_dict)
@@ -298,7 +259,7 @@ class RolloutDataModule(LightningDataModule):
         )
 
     def resolved_logprob_tolerance(self) -> float | None:
-        """The on-policy check's bound: the configured one, or the pool's, widened for a trainer in lower precision or on an accelerator."""
+        """The on-policy check's bound: as configured, or the pool's widened for the trainer's precision and device."""
         if self.logprob_tolerance != "auto":
             return self.logprob_tolerance
         if self.trainer is None:
@@ -307,23 +268,21 @@ class RolloutDataModule(LightningDataModule):
         return widened_for_trainer(self.pool.logprob_tolerance(), self.trainer.precision, on_accelerator)
 
     def _start_iteration(self, version: int) -> Started:
-        """The iteration of ``version``, started in a thread: to its first micro-batch, or to its end with prefetch."""
+        """The iteration of ``version``, started in a thread, to its first micro-batch (prefetch: to its end)."""
         if self.pool.version != version:
             raise OffPolicyError(f"the gate opened version {version} but the pool holds version {self.pool.version}")
         stats = IterationStats(version=version, requested_at=time.monotonic())
         batches = self.batcher().micro_batches(version, stats)
-        return Started(
-            version, stats, HeadStart(batches, f"lit_parl-iteration-{version}", to_the_end=self._use_prefetch)
-        )
+        head_start = HeadStart(batches, f"lit_parl-iteration-{version}", to_the_end=self._use_prefetch)
+        return Started(version, stats, head_start)
 
     def evaluate(self) -> dict[str, float]:
         """The held-out metrics when the iteration just trained is due (Lightning validates after each epoch)."""
         trainer = self.trainer
         if self.evaluator is None or trainer is None or trainer.sanity_checking or not self.history:
             return {}  # before the first iteration the pool holds no policy yet
-        return self.evaluator.after_iteration(
-            trainer, self.iterations_done, self.history[-1].version, self.pool, self.sampling
-        )
+        version = self.history[-1].version
+        return self.evaluator.after_iteration(trainer, self.iterations_done, version, self.pool, self.sampling)
 
     def finish_iteration(self, stats: IterationStats) -> None:
         """Book the iteration (its last micro-batch is about to leave): its stats, the schedule's cursor, the gate."""

@@ -183,19 +183,11 @@ class WorkerProcesses:
             )
         new = self._launch(worker.index, version)
         self.restarts += 1
-        log.warning(
-            "%s %d (pid %s) %s while %s; restarted it as pid %s with version %d and re-issued %d request(s) in %d "
-            "piece(s) (%d of their groups were delivered already: dropped when they come again)",
-            self.label,
-            worker.index,
-            process.pid,
-            cause,
-            doing,
-            new.process.pid,
-            version,
-            sum(len(requests) for requests in reissued),
-            len(reissued),
-            delivered,
+        requests = sum(len(piece) for piece in reissued)
+        log.warning(  # rare (a worker died): formatted here
+            f"{self.label} {worker.index} (pid {process.pid}) {cause} while {doing}; restarted it as pid "
+            f"{new.process.pid} with version {version} and re-issued {requests} request(s) in {len(reissued)} "
+            f"piece(s) ({delivered} of their groups were delivered already: dropped when they come again)"
         )
         return restarts + 1
 

@@ -39,17 +39,17 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from lit_parl.callbacks.full_tensors import is_sharded
 from lit_parl.data.iteration_shape import IterationShape
 from lit_parl.data.micro_batch import MicroBatch
-from lit_parl.errors import OffPolicyError
 from lit_parl.kernels.backends import compute_dtype as attention_dtype
 from lit_parl.kernels.backends import resolve_backend
 from lit_parl.kernels.forward import check_supported
 from lit_parl.models.limits import check_memory
 from lit_parl.trainer.grpo_objective import GRPOObjective
-from lit_parl.trainer.guards import NonFiniteGuard, off_policy_problem, worst_group_mismatch
+from lit_parl.trainer.guards import NonFiniteGuard
 from lit_parl.trainer.iteration_metrics import IterationMetrics
 from lit_parl.trainer.iteration_progress import IterationProgress
 from lit_parl.trainer.lean_checkpoint import fingerprint, leave_out, put_back
 from lit_parl.trainer.precision import check_precision, compute_dtype, enable_checkpointing
+from lit_parl.trainer.step_tally import StepTally
 from lit_parl.trainer.strategies import StrategyAdapter, adapter_for
 
 
@@ -119,7 +119,8 @@ class GRPOModule(LightningModule):
         check_supported(policy)
         if not temperature > 0:
             raise ValueError(
-                f"GRPOModule(temperature={temperature}): training log-probs are taken at logits / T, T > 0 (greedy is for evaluation)"
+                f"GRPOModule(temperature={temperature}): training log-probs are taken at logits / T, T > 0 "
+                "(greedy is for evaluation)"
             )
         check_memory(policy.config, shape.micro_batch_size, max_sample_tokens, logprob_chunk_size, memory_budget_gib)
         objective.check_shape(shape.micro_batch_size, shape.group_size)
@@ -139,20 +140,16 @@ class GRPOModule(LightningModule):
         self.logprob_chunk_size = logprob_chunk_size
         self._backend: str | None = None
         self.guard = NonFiniteGuard(on_nonfinite)
-        self._off_policy: str | None = None  # what the on-policy check found in this optimizer step's micro-batches
+        self.tally = StepTally()  # this optimizer step's micro-batches, agreed across ranks at the step
         self.reference = _frozen_copy(policy) if objective.needs_reference else None
         self.old = _frozen_copy(policy) if shape.optimizer_steps > 1 else None
         self.gradient_checkpointing = gradient_checkpointing
-        if (
-            gradient_checkpointing
-        ):  # the policy only, after the copies: θ_k and the reference keep no activations anyway
+        if gradient_checkpointing:  # the policy only, after the copies: θ_k and the reference keep no activations
             enable_checkpointing(policy)
         # checkpoints leave out what the module rebuilds: θ_0 (from the initial model, checked against this) and,
         # between iterations, θ_k (the policy at the iteration's start)
         self._reference_fingerprint = fingerprint(self.reference) if self.reference is not None else None
         self.progress = IterationProgress(shape.optimizer_steps)  # where a checkpoint falls in the iteration
-        self._normaliser = 0.0
-        self._loss_sum = 0.0
         self.train_intervals: list[tuple[float, float]] = []  # (start, end) monotonic, this iteration
         self.metrics = IterationMetrics()  # logged at each iteration's end
         # what the update does under the trainer's strategy (set for it in setup); kept out of the module tree
@@ -162,8 +159,7 @@ class GRPOModule(LightningModule):
     def setup(self, stage: str) -> None:
         if stage != "fit":
             return
-        # before the strategy wraps the module
-        check_precision(self.trainer, self.policy)
+        check_precision(self.trainer, self.policy)  # before the strategy wraps the module
         self.__dict__["strategy_adapter"] = adapter_for(self.trainer.strategy, self.strategy_adapter)
         self.strategy_adapter.prepare(self.max_grad_norm, self.shape.micro_batch_size)
 
@@ -198,7 +194,6 @@ class GRPOModule(LightningModule):
         self.progress.start_iteration()
         if self.old is not None:  # θ_k exactly: the weights the pool generates this iteration with
             self.strategy_adapter.copy_weights(self.policy, self.old)
-        self._normaliser, self._loss_sum = 0.0, 0.0
         self.train_intervals = []
 
     def on_train_epoch_end(self) -> None:
@@ -209,26 +204,20 @@ class GRPOModule(LightningModule):
         """Logs what the held-out evaluation measured (``lit_parl.data.evaluator``: the datamodule generates
         and scores it through the pool, with the weights of the iteration just trained)."""
         for name, value in metrics.items():
-            self.log(
-                name,
-                value,
-                prog_bar=name in ("val/greedy_accuracy", "val/pass@1") or name.startswith("val/mean@"),
-                batch_size=1,
-            )
+            shown = name in ("val/greedy_accuracy", "val/pass@1") or name.startswith("val/mean@")
+            self.log(name, value, prog_bar=shown, batch_size=1)
 
     # -- the algorithm ---------------------------------------------------------------------------------
     def completion_logprobs(self, model: PreTrainedModel, batch: MicroBatch, with_entropy: bool = False):
         """Log-probs ``[n, T]`` of the batch's completions under ``model`` at the sampling temperature."""
-        if (
-            batch.tokens.attention is not None
-        ):  # resolved at fit start; outside a fit, for what autocast or the weights compute in now
-            backend = self._backend or resolve_backend(
-                self.attention_backend, self.device, attention_dtype(next(model.parameters()))
+        if batch.tokens.attention is not None:
+            # resolved at fit start; outside a fit, for what autocast or the weights compute in now
+            dtype = attention_dtype(next(model.parameters()))
+            batch.tokens.attention.backend = self._backend or resolve_backend(
+                self.attention_backend, self.device, dtype
             )
-            batch.tokens.attention.backend = backend
-        return self.strategy_adapter.logprobs(
-            model, batch.tokens, self.temperature, self.logprob_chunk_size, with_entropy
-        )
+        chunk = self.logprob_chunk_size
+        return self.strategy_adapter.logprobs(model, batch.tokens, self.temperature, chunk, with_entropy)
 
     def training_step(self, batch: MicroBatch, batch_idx: int) -> torch.Tensor:
         start = time.monotonic()
@@ -241,30 +230,19 @@ class GRPOModule(LightningModule):
         if objective.kl_in_reward and ref_logp is not None:
             advantages = objective.kl_in_reward_advantages(batch, old_logp, ref_logp)
         terms = objective(logp, old_logp, ref_logp, advantages, batch.completion_mask, batch.rollout_logprobs, entropy)
-        values = {
-            "advantages": advantages,
-            "log-probs": logp,
-            "rollout log-probs": batch.rollout_logprobs,
-            "loss": terms.loss_sum,
-        }
-        finite = self.guard.inspect(values, batch.prompt_ids)
-        if batch.pass_index == 0 and self._off_policy is None:  # the samples, not their labels, show the weights used
-            worst, prompt_id = worst_group_mismatch(
-                batch.rollout_logprobs, old_logp, batch.completion_mask, batch.prompt_ids
-            )
-            self._off_policy = off_policy_problem(worst, prompt_id, batch.logprob_tolerance, batch.version)
+        values = {"advantages": advantages, "log-probs": logp, "rollout log-probs": batch.rollout_logprobs}
+        finite = self.guard.inspect({**values, "loss": terms.loss_sum}, batch.prompt_ids)
+        self.tally.check_on_policy(batch, old_logp)
         # Backward even now: under DDP every rank must join each backward's gradient reduction. Both checks
         # are decided at the optimizer step, on every rank at once, before any weight moves.
         self.strategy_adapter.ends_step(batch.ends_step)
         self.manual_backward(terms.loss_sum)
         self.progress.micro_batch()
-        self._normaliser += float(terms.normaliser)
+        self.tally.add(float(terms.normaliser), float(terms.loss_sum.detach()) if finite else None)
         if batch.pass_index == 0:  # each reward's values, whatever the loss: every rank then logs every reward's name
             self.metrics.add_rewards(batch)
         if finite:
-            self._loss_sum += float(terms.loss_sum.detach())
             self.metrics.update(batch, terms, old_logp)
-
         if batch.ends_step:  # the datamodule marks the end of each mini-batch
             self._optimizer_step()
         self.train_intervals.append((start, time.monotonic()))
@@ -274,28 +252,13 @@ class GRPOModule(LightningModule):
     def _optimizer_step(self) -> None:
         optimizer = self.optimizers()
         self.progress.optimizer_step()
-        # DDP averages gradients over ranks; the normaliser spans every rank's samples. One reduction carries
-        # the normaliser, the loss and how many ranks saw a non-finite value or off-policy samples, so every
-        # rank takes the same decision (a rank raising alone would leave the others in a collective).
-        world = self.trainer.world_size
-        flags = [float(self.guard.pending), float(self._off_policy is not None)]
-        local = torch.tensor([self._normaliser, self._loss_sum, *flags], device=self.device)
-        total, loss_sum, flagged, off_policy = self.trainer.strategy.reduce(local, reduce_op="sum").tolist()
-        self._normaliser, self._loss_sum = 0.0, 0.0
-        if off_policy > 0:
-            raise OffPolicyError(
-                self._off_policy
-                or "another rank's rollout log-probs differ from θ_k's beyond datamodule.logprob_tolerance"
-            )
-        scale = world / total if total > 0 else 1.0  # gradients are averaged over ranks; the normaliser spans them all
-        flagged_elsewhere = flagged > float(self.guard.pending)
+        step = self.tally.agree(self.trainer.strategy, self.device, nonfinite_here=self.guard.pending)
+        # gradients are averaged over ranks; the normaliser spans them all
+        scale = self.trainer.world_size / step.normaliser if step.normaliser > 0 else 1.0
+        flagged_elsewhere = step.nonfinite_ranks > int(self.guard.pending)
+        is_finite = functools.partial(self.guard.step_is_finite, flagged_elsewhere=flagged_elsewhere)
         grad_norm = self.strategy_adapter.step(
-            optimizer,
-            self.policy,
-            scale,
-            self.max_grad_norm,
-            lambda norm: self.guard.step_is_finite(norm, flagged_elsewhere=flagged_elsewhere),
-            flagged > 0,
+            optimizer, self.policy, scale, self.max_grad_norm, is_finite, step.nonfinite_ranks > 0
         )
         if grad_norm is None:
             return self._skip_step(optimizer)
@@ -304,12 +267,13 @@ class GRPOModule(LightningModule):
         if scheduler is not None:
             scheduler.step()
         self.metrics["grad_norm"].update(grad_norm)
-        self.log("loss", loss_sum / max(total, 1e-12), on_step=False, on_epoch=True, batch_size=1)
+        self.log("loss", step.loss_sum / max(step.normaliser, 1e-12), on_step=False, on_epoch=True, batch_size=1)
 
     def _skip_step(self, optimizer) -> None:
         optimizer.zero_grad(set_to_none=True)
+        skipped = self.guard.skipped_steps
         rank_zero_warn(
-            f"optimizer step skipped (module.on_nonfinite=skip; {self.guard.skipped_steps} so far): {self.guard.last_problem}"
+            f"optimizer step skipped (module.on_nonfinite=skip; {skipped} so far): {self.guard.last_problem}"
         )
 
     # -- checkpoints -----------------------------------------------------------------------------------
@@ -318,12 +282,8 @@ class GRPOModule(LightningModule):
         self.progress.save(checkpoint)  # a checkpoint between micro-batches of a step resumes from that step's start
         # inside an iteration θ_k is kept: a resume pushes it to the pool and trains the rest of the iteration against
         # it. Under FSDP2 nothing is left out: its loader fills the module's every key before this module sees the file.
-        leave_out(
-            checkpoint,
-            self._reference_fingerprint,
-            inside_iteration=self.progress.inside,
-            keep_all=is_sharded(self.policy),
-        )
+        inside, sharded = self.progress.inside, is_sharded(self.policy)
+        leave_out(checkpoint, self._reference_fingerprint, inside_iteration=inside, keep_all=sharded)
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
         if "lit_parl_nonfinite" in checkpoint:  # checkpoints written before the guard existed have none

@@ -11,6 +11,7 @@ ROOT = Path(__file__).resolve().parents[2]
 # the layers of docs/design.md, "The package tree": a package's modules may import from its own layer and below
 LAYERS = {
     "lit_parl.errors": 1,
+    "lit_parl.settings": 1,
     "lit_parl.kernels": 1,
     "lit_parl.callbacks": 1,
     "lit_parl.models": 1,

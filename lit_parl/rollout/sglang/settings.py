@@ -16,17 +16,9 @@ from __future__ import annotations
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, TypeVar
 
 SERVER_DTYPES = ("auto", "half", "float16", "bfloat16", "float", "float32")  # sglang.launch_server --dtype
 SYNC_METHODS = ("tensor", "distributed", "disk")  # lit_parl.rollout.sglang.weights
-
-Settings = TypeVar("Settings")
-
-
-def as_settings(kind: type[Settings], value: Settings | dict[str, Any] | None) -> Settings:
-    """A settings object from itself, a dict of its fields (Hydra, JSON) or ``None`` (the defaults)."""
-    return value if isinstance(value, kind) else kind(**(value or {}))
 
 
 def _frozen(value):

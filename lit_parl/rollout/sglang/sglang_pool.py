@@ -30,10 +30,10 @@ from lit_parl.rollout.sglang.settings import (
     RouterSettings,
     ServerSettings,
     SyncSettings,
-    as_settings,
 )
 from lit_parl.rollout.sglang.weights import WeightUpdater
 from lit_parl.rollout.stop_strings import load_tokenizer
+from lit_parl.settings import as_settings
 
 
 class SGLangRolloutPool(RolloutPool):
