@@ -86,7 +86,8 @@ class CompletionSamples(Callback):
         ...     def training_step(self, batch, batch_idx):
         ...         return self.layer(torch.ones(1, 32)).sum()
         ...     def train_dataloader(self):
-        ...         return torch.utils.data.DataLoader([group(p) for p in range(3)], batch_size=None, collate_fn=lambda b: b)
+        ...         return torch.utils.data.DataLoader([group(p) for p in range(3)], batch_size=None,
+        ...             collate_fn=lambda b: b)
         >>> samples = CompletionSamples(dirpath=tempfile.mkdtemp(), every_n_iterations=2, prompts=2)
         >>> trainer = lightning.Trainer(accelerator="cpu", max_epochs=3, limit_val_batches=0, logger=False,
         ...     enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, callbacks=[samples])
@@ -151,7 +152,10 @@ class CompletionSamples(Callback):
         if getattr(batch, "pass_index", 0) != 0:
             return
         if not self._checked:
-            fix = "Train on batches with a `trajectories` list of per-sample records, such as lit_parl.data.micro_batch.MicroBatch."
+            fix = (
+                "Train on batches with a `trajectories` list of per-sample records, "
+                "such as lit_parl.data.micro_batch.MicroBatch."
+            )
             require(batch, SampleBatch, owner="CompletionSamples", role="each training batch", fix=fix)
             if batch.trajectories:
                 require(

@@ -46,7 +46,8 @@ Example::
     >>> require(object(), HasPolicy, owner="HFExport", role="the LightningModule", fix="Set `self.policy`.")
     Traceback (most recent call last):
     ...
-    TypeError: HFExport needs the LightningModule to satisfy lit_parl.callbacks.HasPolicy, but object has no `policy`. Set `self.policy`.
+    TypeError: HFExport needs the LightningModule to satisfy lit_parl.callbacks.HasPolicy, but object has no `policy`.
+    Set `self.policy`.
 """
 
 from __future__ import annotations

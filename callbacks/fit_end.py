@@ -62,6 +62,9 @@ def new_record(trainer: Trainer, last_record: Any, owner: str, left_out_of: str)
         IterationRecord,
         owner=owner,
         role="each record of the datamodule's `history`",
-        fix="Append records with the fields of lit_parl.callbacks.IterationRecord (lit_parl.data.iteration_stats.IterationStats has them).",
+        fix=(
+            "Append records with the fields of lit_parl.callbacks.IterationRecord "
+            "(lit_parl.data.iteration_stats.IterationStats has them)."
+        ),
     )
     return record

@@ -78,7 +78,8 @@ def fsdp1_units(module: torch.nn.Module) -> list[tuple[torch.nn.Module, list[tup
                 continue
             if owner is None:
                 raise ValueError(
-                    f"{prefix + name} belongs to no FSDP unit inside the module: wrap the model itself, not only its layers"
+                    f"{prefix + name} belongs to no FSDP unit inside the module: "
+                    "wrap the model itself, not only its layers"
                 )
             seen.add(id(parameter))
             groups[id(owner)][1].append(((prefix + name).replace(FSDP1_PREFIX, ""), parameter))

@@ -44,7 +44,8 @@ class HFExport(Callback):
         ...     def __init__(self):
         ...         super().__init__()
         ...         self.policy = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(vocab_size=16,
-        ...             hidden_size=8, intermediate_size=16, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1))
+        ...             hidden_size=8, intermediate_size=16, num_hidden_layers=1, num_attention_heads=2,
+        ...             num_key_value_heads=1))
         >>> export = HFExport(dirpath=tempfile.mkdtemp())
         >>> trainer = lightning.Trainer(accelerator="cpu", max_epochs=1, limit_train_batches=2, limit_val_batches=0,
         ...     logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
@@ -71,7 +72,8 @@ class HFExport(Callback):
             if tokenizer is not None and contract_problems(tokenizer, SavesPretrained):
                 raise TypeError(
                     f"HFExport saves the module's `tokenizer` beside the policy, but {type(tokenizer).__name__} "
-                    "has no `save_pretrained`. Use a transformers tokenizer, set `tokenizer = None`, or override `export`."
+                    "has no `save_pretrained`. "
+                    "Use a transformers tokenizer, set `tokenizer = None`, or override `export`."
                 )
 
     def export(

@@ -78,7 +78,8 @@ class PipelineTimeline(Callback):
         ...         self.train_intervals = [(now, now + 0.2)]
         ...         self.trainer.datamodule.history.append(SimpleNamespace(version=self.current_epoch,
         ...             requested_at=now, completed_at=now + 0.1, completions=8, completion_tokens=80, reward_sum=4.0,
-        ...             prompts_drawn=2, dropped_groups=0, gen_intervals=[(now, now + 0.1)], reward_mean=0.5, gen_busy_s=0.1))
+        ...             prompts_drawn=2, dropped_groups=0, gen_intervals=[(now, now + 0.1)], reward_mean=0.5,
+        ...             gen_busy_s=0.1))
         >>> timeline = PipelineTimeline(dirpath=tempfile.mkdtemp())
         >>> trainer = lightning.Trainer(accelerator="cpu", max_epochs=2, limit_train_batches=2, limit_val_batches=0,
         ...     logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,

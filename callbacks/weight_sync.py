@@ -1,4 +1,5 @@
-"""WeightSync: push the policy's weights to a receiver before every epoch (at the end of the one before), then open the gate."""
+"""WeightSync: push the policy's weights to a receiver before every epoch (at the end of the one before), then open
+the gate."""
 
 from __future__ import annotations
 
@@ -131,8 +132,10 @@ class WeightSync(Callback):
         snapshot = getattr(pl_module, "old", None)
         if not isinstance(snapshot, torch.nn.Module):
             raise TypeError(
-                f"the fit resumes inside iteration {trainer.current_epoch}, whose rollouts come from the weights at its start, "
-                f"but {type(pl_module).__name__} keeps no snapshot of them as `old`: resume from a checkpoint written at an "
+                f"the fit resumes inside iteration {trainer.current_epoch}, "
+                "whose rollouts come from the weights at its start, "
+                f"but {type(pl_module).__name__} keeps no snapshot of them as `old`: "
+                "resume from a checkpoint written at an "
                 "iteration's end (ModelCheckpoint(every_n_epochs=k)), or override WeightSync.snapshot_tensors"
             )
         return full_tensors(snapshot)

@@ -3,8 +3,8 @@
 Runs where ``import sglang`` works (a GPU box with ``pip install 'lit-parl[sglang]'``); elsewhere it
 logs ``skipped`` and exits 0. One server is launched on the tiny Qwen2 policy; then, for each method in
 turn (disk, tensor, distributed), the pool syncs new weights as the next version and the check verifies
-that the servers confirmed it (``/model_info``'s ``weight_version``), that every group is stamped with it, and that the sampled
-tokens' log-probs now match the new weights (computed by the trainer side) and no longer the old ones.
+that the servers confirmed it (``/model_info``'s ``weight_version``), that every group is stamped with it, and that
+the sampled tokens' log-probs now match the new weights (computed by the trainer side) and no longer the old ones.
 
 ``--launch-command`` runs the same sequence against another server command; the tests use it with the
 stand-in (tests/helpers/sglang_standin.py) to check this script on a CPU machine.

@@ -181,7 +181,8 @@ def shared_prompt_attention(
     if shared_prompt is None:
         raise RuntimeError(
             f"attention '{ATTENTION_NAME}' was called without a `shared_prompt` layout: pass the packed batch's "
-            "layout to the decoder's forward inside use_shared_prompt_attention(model) (lit_parl.kernels.forward.completion_logprobs does this)"
+            "layout to the decoder's forward inside use_shared_prompt_attention(model) "
+            "(lit_parl.kernels.forward.completion_logprobs does this)"
         )
     if dropout:
         raise ValueError("shared-prompt attention does not implement attention dropout; set attention_dropout=0")

@@ -53,7 +53,8 @@ def check_dtype(backend: str, dtype: torch.dtype) -> None:
     bfloat16 only)."""
     if backend in HALF_ONLY and dtype not in HALF_PRECISION:
         raise ValueError(
-            f"attention backend {backend!r} computes in float16/bfloat16 only ({HALF_ONLY[backend]} refuses {dtype}). Train in "
+            f"attention backend {backend!r} computes in float16/bfloat16 only "
+            f"({HALF_ONLY[backend]} refuses {dtype}). Train in "
             "bfloat16 with float32 master weights: Trainer(precision='bf16-mixed') (lit-parl trainer=gpu, or "
             "trainer.precision=bf16-mixed), or load the model in bfloat16 (model.dtype=bfloat16); or keep float32 with "
             "module.attention_backend=flex (CUDA) or sdpa"
@@ -86,7 +87,8 @@ def resolve_backend(requested: str, device: torch.device | str, dtype: torch.dty
             "npu": "an Ascend NPU and torch_npu (pip install 'lit-parl[torch-npu]')",
         }[requested]
         raise RuntimeError(
-            f"attention backend {requested!r} cannot run on {_device_type(device)}: it needs {needs}. Available here: {available}"
+            f"attention backend {requested!r} cannot run on {_device_type(device)}: it needs {needs}. "
+            f"Available here: {available}"
         )
     if dtype is not None:
         check_dtype(requested, dtype)

@@ -51,9 +51,8 @@ def completion_logprobs(
         hidden = backbone(input_ids=tokens.input_ids, use_cache=False).last_hidden_state
     selected = hidden.reshape(-1, hidden.shape[-1])[tokens.label_positions]
     weight, bias = head.weight, head.bias
-    if torch.is_autocast_enabled(
-        selected.device.type
-    ):  # the backward recomputes the logits outside autocast: same dtype
+    # the backward recomputes the logits outside autocast: same dtype
+    if torch.is_autocast_enabled(selected.device.type):
         dtype = torch.get_autocast_dtype(selected.device.type)
         selected, weight = selected.to(dtype), weight.to(dtype)
         bias = bias.to(dtype) if bias is not None else None

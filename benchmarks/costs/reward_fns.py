@@ -1,4 +1,5 @@
-"""Rewards for benchmarks/costs/text_rewards.py, named by file on the command line (``fn=benchmarks/costs/reward_fns.py:...``).
+"""Rewards for benchmarks/costs/text_rewards.py, named by file on the command line
+(``fn=benchmarks/costs/reward_fns.py:...``).
 
 Each is added beside the default job's own reward with weight 0, so the total reward, hence everything
 trained, stays bit-identical: the runs do equal work, and what differs is the cost of the added reward.

@@ -413,8 +413,10 @@ def run_memory(sizes: list[str], chunk_sizes: list[int]) -> None:
     b = MEMORY_BATCH
     print(
         f"\n## 2. Trainer peak memory of one micro-batch's forward + backward, vocabulary {VOCAB:,}, float32\n"
-        f"{b['groups'] * b['group_size']} padded rows of {b['P']} prompt + {b['R']} completion tokens. 'full logits': model(input_ids).logits,\n"
-        f"log_softmax over every position, gather; 'chunked N': lit_parl's completion_logprobs with logprob_chunk_size=N\n"
+        f"{b['groups'] * b['group_size']} padded rows of {b['P']} prompt + {b['R']} completion tokens. "
+        f"'full logits': model(input_ids).logits,\n"
+        f"log_softmax over every position, gather; 'chunked N': lit_parl's completion_logprobs "
+        f"with logprob_chunk_size=N\n"
         f"(the head on the completion labels only, N at a time). MiB: rise of the peak resident set during the step,\n"
         f"in a fresh process per case; it includes the parameters' gradients ('grads MiB', the same in every case).\n"
         f"'max |diff|': log-probs against the full-logits ones."
@@ -531,10 +533,12 @@ def run_packing(sizes: list[str], reps: int, max_step_s: float, dtype: str) -> N
         autocast, why = dtype == "bfloat16", f"{dtype} (--packing-dtype)"
     P, R, G = PACKING_SHAPE["P"], PACKING_SHAPE["R"], PACKING_SHAPE["G"]
     print(
-        f"\n## 3. Policy log-probs forward + backward, one group: P={P}, R={R}, G={G}; shared-prompt packed against padded\n"
+        f"\n## 3. Policy log-probs forward + backward, one group: P={P}, R={R}, G={G}; "
+        f"shared-prompt packed against padded\n"
         f"Compute: {why}.\n"
         f"Median of {reps} after a warm-up step, the layouts interleaved; MiB: peak rise of the warm-up step.\n"
-        f"'max |diff|': padded against packed log-probs. A layout whose warm-up step took over {max_step_s:.0f} s is not\n"
+        f"'max |diff|': padded against packed log-probs. "
+        f"A layout whose warm-up step took over {max_step_s:.0f} s is not\n"
         f"timed further ('(1 step)': its warm-up); the padded step is not run when the packed warm-up times the\n"
         f"token ratio exceeds {3 * max_step_s:.0f} s."
     )

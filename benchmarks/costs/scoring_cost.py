@@ -58,11 +58,13 @@ def main() -> None:
             per_completion[name].append((time.perf_counter() - start) / (8 * args.groups) * 1e6)
     for name, times in per_completion.items():
         print(
-            f"{name:10s} {statistics.median(times):6.2f} us per completion (median of {args.repeats}: {', '.join(f'{t:.2f}' for t in times)})"
+            f"{name:10s} {statistics.median(times):6.2f} us per completion "
+            f"(median of {args.repeats}: {', '.join(f'{t:.2f}' for t in times)})"
         )
     extra = statistics.median(per_completion["both"]) - statistics.median(per_completion["token ids"])
     print(
-        f"a text reward beside the token one adds {extra:.2f} us per completion: {extra * 256 / 1e3:.2f} ms per default-job iteration of 256 completions"
+        f"a text reward beside the token one adds {extra:.2f} us per completion: "
+        f"{extra * 256 / 1e3:.2f} ms per default-job iteration of 256 completions"
     )
 
 

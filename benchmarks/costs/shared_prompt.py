@@ -152,8 +152,10 @@ def main() -> None:
 
     print(f"threads={args.threads} reps={args.reps} torch={torch.__version__}")
     header = (
-        f"{'model':>5} {'P':>5} {'R':>4} {'G':>3} | {'token ratio':>11} | {'padded s':>9} {'packed s':>9} {'speedup':>7} | "
-        f"{'auto':>6} {'auto/padded':>11} | {'padded MiB':>10} {'packed MiB':>10} | {'logits GiB (150k)':>17} {'chunked MiB':>11}"
+        f"{'model':>5} {'P':>5} {'R':>4} {'G':>3} | {'token ratio':>11} | "
+        f"{'padded s':>9} {'packed s':>9} {'speedup':>7} | "
+        f"{'auto':>6} {'auto/padded':>11} | {'padded MiB':>10} {'packed MiB':>10} | "
+        f"{'logits GiB (150k)':>17} {'chunked MiB':>11}"
     )
     print(header)
     print("-" * len(header))
@@ -175,8 +177,10 @@ def main() -> None:
         logits_gib = G * (P + R) * VOCAB_150K * 4 / 2**30  # model(...).logits in float32 at every position
         chunk_mib = min(1024, G * R) * VOCAB_150K * 4 / 2**20
         print(
-            f"{model:>5} {P:>5} {R:>4} {G:>3} | {ratio:>11.2f} | {t_padded:>9.3f} {t_packed:>9.3f} {t_padded / t_packed:>6.2f}x | "
-            f"{'packed' if auto_packs else 'padded':>6} {t_padded / t_auto:>10.2f}x | {m_padded:>10.0f} {m_packed:>10.0f} | "
+            f"{model:>5} {P:>5} {R:>4} {G:>3} | {ratio:>11.2f} | "
+            f"{t_padded:>9.3f} {t_packed:>9.3f} {t_padded / t_packed:>6.2f}x | "
+            f"{'packed' if auto_packs else 'padded':>6} {t_padded / t_auto:>10.2f}x | "
+            f"{m_padded:>10.0f} {m_packed:>10.0f} | "
             f"{logits_gib:>17.2f} {chunk_mib:>11.0f}",
             flush=True,
         )

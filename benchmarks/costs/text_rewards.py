@@ -26,7 +26,10 @@ import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
-ADD = "+reward.{name}._target_=lit_parl.rewards.Reward +reward.{name}.fn=benchmarks/costs/reward_fns.py:{fn} +reward.{name}.weight=0.0"
+ADD = (
+    "+reward.{name}._target_=lit_parl.rewards.Reward +reward.{name}.fn=benchmarks/costs/reward_fns.py:{fn} "
+    "+reward.{name}.weight=0.0"
+)
 VARIANTS = {
     "ids": "",
     "text": ADD.format(name="text", fn="positional_text"),
@@ -75,7 +78,8 @@ def main() -> None:
                 # scoring on threads hands groups over in the order their scores finish: micro-batches are cut in
                 # another order, and the sums' rounding (amplified over the run) differs; the work stays equal
                 print(
-                    f"  note: {variant} seed={seed} ended at reward {b[key]:.4f} against {a[key]:.4f} ({base}): another arrival order"
+                    f"  note: {variant} seed={seed} ended at reward {b[key]:.4f} against {a[key]:.4f} "
+                    f"({base}): another arrival order"
                 )
     print(f"\nratios of completions/s to '{base}' (per seed, then median), {args.iterations} iterations:")
     for variant in args.variants:

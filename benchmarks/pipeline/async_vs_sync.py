@@ -173,7 +173,10 @@ def main() -> None:
                 )
 
     print()
-    header = f"{'workload':16s} {'mode':12s} {'completions/s':>13s} {'tokens/s':>9s} {'gen ms':>7s} {'train ms':>8s} {'iter ms':>8s} {'overlap eff. (median, p10)':>27s}"
+    header = (
+        f"{'workload':16s} {'mode':12s} {'completions/s':>13s} {'tokens/s':>9s} {'gen ms':>7s} {'train ms':>8s} "
+        f"{'iter ms':>8s} {'overlap eff. (median, p10)':>27s}"
+    )
     print(header)
     print("-" * len(header))
     summary = {}
@@ -198,13 +201,14 @@ def main() -> None:
                 f"{m['overlap_median']:.2f}, {m['overlap_p10']:.2f}" if mode.startswith("async") else "(takes turns)"
             )
             print(
-                f"{workload:16s} {mode:12s} {m['completions_per_s']:13.1f} {m['tokens_per_s']:9.1f} {m['gen_ms']:7.1f} {m['train_ms']:8.1f} "
-                f"{m['iteration_ms']:8.1f} {overlap:>27s}"
+                f"{workload:16s} {mode:12s} {m['completions_per_s']:13.1f} {m['tokens_per_s']:9.1f} {m['gen_ms']:7.1f} "
+                f"{m['train_ms']:8.1f} {m['iteration_ms']:8.1f} {overlap:>27s}"
             )
         for mode in [mode for mode in per_mode if mode.startswith("async")]:
             m = per_mode[mode]
             print(
-                f"{workload:16s} {mode:12s} overlap lost to: the wait for the first micro-batch {m['first_step_wait_ms']:.1f} ms, "
+                f"{workload:16s} {mode:12s} overlap lost to: the wait for the first micro-batch "
+                f"{m['first_step_wait_ms']:.1f} ms, "
                 f"gaps between training steps {m['step_gaps_ms']:.1f} ms per iteration"
             )
         ratios = {}

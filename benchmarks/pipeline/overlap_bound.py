@@ -125,8 +125,9 @@ def run(prompts: int, iterations: int, seed: int, extra: list[str]) -> list[dict
 def show(label: str, s: dict) -> None:
     print(
         f"{label}: wall {s['wall_ms']:.1f} ms, bound {s['bound_ms']:.1f} ms, wall/bound {s['wall_over_bound']:.3f}, "
-        f"between {s['between_ms']:.1f} ms | sync {s['sync_ms']:.1f}, fill {s['fill_ms']:.1f}, train {s['train_busy_ms']:.1f}, "
-        f"generate {s['gen_busy_ms']:.1f}, last step {s['last_step_ms']:.1f} | trainer lag {s['lag_ms']:.1f}, gaps {s['gaps_ms']:.1f} "
+        f"between {s['between_ms']:.1f} ms | sync {s['sync_ms']:.1f}, fill {s['fill_ms']:.1f}, "
+        f"train {s['train_busy_ms']:.1f}, generate {s['gen_busy_ms']:.1f}, last step {s['last_step_ms']:.1f} | "
+        f"trainer lag {s['lag_ms']:.1f}, gaps {s['gaps_ms']:.1f} "
         f"(medians of {s['iterations']} iterations)",
         flush=True,
     )

@@ -136,7 +136,8 @@ def side_by_side(rev: str, reps: int) -> None:
             ):
                 t = best_of({"old": (old_fn, calls), "new": (new_fn, calls)}, reps)
                 print(
-                    f"{case:12s} {layout:14s} {what:14s} {t['old'] * 1e3:8.3f} {t['new'] * 1e3:8.3f} {t['old'] / t['new']:7.1f}x"
+                    f"{case:12s} {layout:14s} {what:14s} "
+                    f"{t['old'] * 1e3:8.3f} {t['new'] * 1e3:8.3f} {t['old'] / t['new']:7.1f}x"
                 )
     sampling_side_by_side(old_sample, reps)
 
@@ -181,7 +182,8 @@ def sampling_side_by_side(old_sample, reps: int) -> None:
     calls = [(fn_requests,) for fn_requests in chunks]
     t = best_of({"old": (lambda r: run(old_sample, r), calls), "new": (lambda r: run(sample_groups, r), calls)}, reps)
     print(
-        f"{'default':12s} {'8x8, 6 tokens':14s} {'sample_groups':14s} {t['old'] * 1e3:8.3f} {t['new'] * 1e3:8.3f} {t['old'] / t['new']:7.2f}x"
+        f"{'default':12s} {'8x8, 6 tokens':14s} {'sample_groups':14s} "
+        f"{t['old'] * 1e3:8.3f} {t['new'] * 1e3:8.3f} {t['old'] / t['new']:7.2f}x"
     )
 
 

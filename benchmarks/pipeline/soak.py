@@ -177,7 +177,8 @@ class ResourceProbe(Callback):
             self._file.close()
         retained = retained_records(trainer, trainer.current_epoch + 1)
         lines = [
-            f"{name}: {length} entries, {size / 1024:.1f} KiB, {size / max(trainer.current_epoch + 1, 1):.0f} B per iteration"
+            f"{name}: {length} entries, {size / 1024:.1f} KiB, "
+            f"{size / max(trainer.current_epoch + 1, 1):.0f} B per iteration"
             for name, length, size in retained
         ]
         self.csv_path.with_name("retained.txt").write_text("".join(f"{line}\n" for line in lines))
@@ -270,7 +271,8 @@ def main() -> None:
         start = time.monotonic()
         summary = run(args.iterations, args.every, out, Path(run_dir), args.tracemalloc, args.overrides)
         print(
-            f"soak: {summary.get('iterations')} iterations in {time.monotonic() - start:.0f} s; rows in {out / 'soak.csv'}"
+            f"soak: {summary.get('iterations')} iterations in {time.monotonic() - start:.0f} s; "
+            f"rows in {out / 'soak.csv'}"
         )
     report = table(out / "soak.csv", warm_up=args.every)
     (out / "table.txt").write_text(report + "\n")

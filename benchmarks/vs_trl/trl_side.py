@@ -1,4 +1,5 @@
-"""The TRL side of ``benchmarks/vs_trl/vs_trl.py``: Hugging Face TRL's ``GRPOTrainer`` on lit_parl's tiny model and task.
+"""The TRL side of ``benchmarks/vs_trl/vs_trl.py``: Hugging Face TRL's ``GRPOTrainer``
+on lit_parl's tiny model and task.
 
 Runs in ``.venv-trl`` (``benchmarks/vs_trl/setup_trl_env.sh``), one synchronous process: generate a batch, score it,
 train on it. ``vs_trl.py`` starts it as a subprocess; it can also be run by hand::
@@ -199,7 +200,8 @@ def main(argv=None) -> dict:
     rewards = record["rewards"]
     if len(rewards) != args.steps or record["completions"] != args.steps * samples_per_step:
         raise RuntimeError(
-            f"expected {args.steps} generation batches of {samples_per_step}, got {len(rewards)} / {record['completions']}"
+            f"expected {args.steps} generation batches of {samples_per_step}, "
+            f"got {len(rewards)} / {record['completions']}"
         )
     result = {
         "side": "trl",
@@ -254,7 +256,8 @@ def main(argv=None) -> dict:
     result["config"]["lr_scheduler_type"] = str(result["config"]["lr_scheduler_type"])
     Path(args.out).write_text(json.dumps(result, indent=2))
     print(
-        f"trl_side summary: {json.dumps({k: v for k, v in result.items() if k not in ('rewards', 'step_end_s', 'config')})}",
+        "trl_side summary: "
+        f"{json.dumps({k: v for k, v in result.items() if k not in ('rewards', 'step_end_s', 'config')})}",
         flush=True,
     )
     return result

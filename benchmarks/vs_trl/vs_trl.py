@@ -1,9 +1,10 @@
-"""lit_parl against Hugging Face TRL's ``GRPOTrainer`` at its best: same weights, task, batch, sampling, objective and cores.
+"""lit_parl against Hugging Face TRL's ``GRPOTrainer`` at its best: same weights, task, batch, sampling, objective
+and cores.
 
 Usage (from the repository root, after ``make install`` and ``benchmarks/vs_trl/setup_trl_env.sh``)::
 
-    .venv/bin/python benchmarks/vs_trl/vs_trl.py --quick                        # smoke run: 3 steps, seed 0, all models and configs
-    .venv/bin/python benchmarks/vs_trl/vs_trl.py --out vs_trl.json               # 3 models x 2 workloads x 3 seeds x 3 sides
+    .venv/bin/python benchmarks/vs_trl/vs_trl.py --quick            # smoke run: 3 steps, seed 0, all models and configs
+    .venv/bin/python benchmarks/vs_trl/vs_trl.py --out vs_trl.json  # 3 models x 2 workloads x 3 seeds x 3 sides
     .venv/bin/python benchmarks/vs_trl/vs_trl.py --workloads a --models h128 --steps-a 150 --seeds 0,1,2
     .venv/bin/python benchmarks/vs_trl/vs_trl.py --workloads b --models h64 --steps-b 30 --trl-configs 256x1
     .venv/bin/python benchmarks/vs_trl/vs_trl.py --models h256x4 --steps-for h256x4:a=100   # one model's steps
@@ -557,7 +558,8 @@ def main(argv=None) -> dict:
     sides = lits + trls
     steps_used = {f"{m}:{w}": args.steps_of[(m, w)] for m in args.models for w in args.workloads}
     print(
-        f"vs_trl: work dir {work}; models {args.models}, workloads {args.workloads}, seeds {args.seeds}, reps {args.reps}; "
+        f"vs_trl: work dir {work}; models {args.models}, workloads {args.workloads}, "
+        f"seeds {args.seeds}, reps {args.reps}; "
         f"steps {steps_used} x {SAMPLES_PER_STEP} completions per side; sides {sides}",
         flush=True,
     )
@@ -597,7 +599,8 @@ def main(argv=None) -> dict:
                     s["load_avg_after"] = os.getloadavg()
                     print(
                         f"vs_trl:   {side}: {s['completions_per_s']:.1f} completions/s, wall {s['wall_s']:.1f} s, "
-                        f"reward {s['reward_first']:.3f} -> {s['reward_last']:.3f}, load avg {s['load_avg_after'][0]:.2f}",
+                        f"reward {s['reward_first']:.3f} -> {s['reward_last']:.3f}, "
+                        f"load avg {s['load_avg_after'][0]:.2f}",
                         flush=True,
                     )
                 annotate(entry, lits, trls)

@@ -98,7 +98,8 @@ class Evaluator:
             raise ValueError("evaluation.prompts is needed with a procedural task (it has no fixed eval set)")
         if settings.prompts is not None and rows is not None and settings.prompts > rows:
             raise ValueError(
-                f"evaluation.prompts={settings.prompts} is more than the {rows} rows of the eval set; lower it or null (all rows)"
+                f"evaluation.prompts={settings.prompts} is more than the {rows} rows of the eval set; "
+                "lower it or null (all rows)"
             )
         self.settings, self.schedule, self.scorer, self.correct_reward = settings, schedule, scorer, correct_reward
         self.prompts = settings.prompts if settings.prompts is not None else rows
@@ -121,7 +122,8 @@ class Evaluator:
         if held_out is None:
             raise ValueError(
                 f"evaluation.every_n_iterations={settings.every_n_iterations} but there are no held-out prompts: "
-                "give eval_data, or a data source with an eval split (e.g. DatasetPrompts(eval_split=... or eval_rows=...))"
+                "give eval_data, or a data source with an eval split "
+                "(e.g. DatasetPrompts(eval_split=... or eval_rows=...))"
             )
         return cls(settings, make_schedule(held_out), scorer, correct_reward, max_samples_per_call)
 
@@ -176,7 +178,8 @@ class Evaluator:
             return {}
         if pool.version != version:  # the weights of the iteration just trained, synced at its start
             raise OffPolicyError(
-                f"evaluation after iteration {iteration} expects the pool to hold version {version}, it holds {pool.version}"
+                f"evaluation after iteration {iteration} expects the pool to hold version {version}, "
+                f"it holds {pool.version}"
             )
         if trainer.world_size == 1:
             return self.run(pool, version, sampling)

@@ -65,7 +65,8 @@ class GroupAcceptor:
         request = waiting.pop(group.prompt_id, None)
         if request is None:
             raise RuntimeError(
-                f"the pool returned prompt_id {group.prompt_id}, which this iteration did not request or already received"
+                f"the pool returned prompt_id {group.prompt_id}, "
+                "which this iteration did not request or already received"
             )
         G = self.group_size
         if sorted(group.sample_indices) != list(range(G)) or not (
@@ -75,7 +76,8 @@ class GroupAcceptor:
         for k, completion in enumerate(group.completions):
             if not completion or len(completion) != len(group.logprobs[k]):
                 raise RuntimeError(
-                    f"prompt {group.prompt_id} sample {group.sample_indices[k]}: {len(completion)} tokens but {len(group.logprobs[k])} log-probs"
+                    f"prompt {group.prompt_id} sample {group.sample_indices[k]}: "
+                    f"{len(completion)} tokens but {len(group.logprobs[k])} log-probs"
                 )
         rewards = torch.tensor(group.rewards, dtype=torch.float32)
         lengths = torch.tensor([len(c) for c in group.completions])

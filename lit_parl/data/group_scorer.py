@@ -22,7 +22,8 @@ Example::
     >>> tokenizer = build_char_tokenizer()
     >>> drawn = PromptSchedule(CopyTask(seed=0), tokenizer, group_size=2).draw([0], version=0)
     >>> answer = list(drawn[0].answer_ids) + [tokenizer.eos_token_id]
-    >>> done = GroupCompletions(0, 0, [0, 1], [answer, answer[1:]], [[0.0] * len(answer), [0.0] * (len(answer) - 1)], ["stop", "stop"])
+    >>> done = GroupCompletions(0, 0, [0, 1], [answer, answer[1:]], [[0.0] * len(answer), [0.0] * (len(answer) - 1)],
+    ...     ["stop", "stop"])
     >>> scorer = GroupScorer([positional_reward], tokenizer, workers=1)
     >>> [group.rewards[0] for group in scorer.stream(iter([done]), drawn)]
     [1.0]
@@ -70,7 +71,8 @@ class GroupScorer:
         names = [r.name for r in self.rewards]
         if len(set(names)) != len(names):
             raise ValueError(
-                f"two rewards share a name in {names}: give each its own (Reward(name=...)); each is logged as reward/<name>"
+                f"two rewards share a name in {names}: "
+                "give each its own (Reward(name=...)); each is logged as reward/<name>"
             )
         if workers < 0:
             raise ValueError(f"GroupScorer(workers={workers}) must be >= 0 (0: score inline, in the consumer's thread)")

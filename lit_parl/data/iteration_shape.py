@@ -13,7 +13,8 @@ Example::
     >>> IterationShape(prompts=8, group_size=4, micro_batch_size=12)
     Traceback (most recent call last):
     ...
-    ValueError: IterationShape(micro_batch_size=12) does not divide the iteration's 8 prompts x group_size 4 = 32 samples; pick a divisor of 32
+    ValueError: IterationShape(micro_batch_size=12) does not divide the iteration's 8 prompts
+    x group_size 4 = 32 samples; pick a divisor of 32
 """
 
 from __future__ import annotations
@@ -44,14 +45,16 @@ class IterationShape:
     def __post_init__(self) -> None:
         if self.group_size < 2:
             raise ValueError(
-                f"IterationShape(group_size={self.group_size}): GRPO needs at least 2 completions per prompt to compare them"
+                f"IterationShape(group_size={self.group_size}): "
+                "GRPO needs at least 2 completions per prompt to compare them"
             )
         if self.prompts < 1:
             raise ValueError(f"IterationShape(prompts={self.prompts}) must be >= 1")
         if self.micro_batch_size < 1 or self.samples % self.micro_batch_size:
             raise ValueError(
-                f"IterationShape(micro_batch_size={self.micro_batch_size}) does not divide the iteration's {self.prompts} prompts "
-                f"x group_size {self.group_size} = {self.samples} samples; pick a divisor of {self.samples}"
+                f"IterationShape(micro_batch_size={self.micro_batch_size}) does not divide the iteration's "
+                f"{self.prompts} prompts x group_size {self.group_size} = {self.samples} samples; "
+                f"pick a divisor of {self.samples}"
             )
         if self.mini_batches < 1 or self.passes < 1:
             raise ValueError(
@@ -59,8 +62,9 @@ class IterationShape:
             )
         if self.prompts % self.mini_batches or self.samples_per_step % self.micro_batch_size:
             raise ValueError(
-                f"IterationShape(mini_batches={self.mini_batches}) must split the iteration's {self.prompts} prompts into equal "
-                f"blocks of whole micro-batches (micro_batch_size={self.micro_batch_size}, group_size={self.group_size})"
+                f"IterationShape(mini_batches={self.mini_batches}) must split the iteration's {self.prompts} prompts "
+                f"into equal blocks of whole micro-batches (micro_batch_size={self.micro_batch_size}, "
+                f"group_size={self.group_size})"
             )
 
     @property

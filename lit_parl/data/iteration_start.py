@@ -10,7 +10,8 @@ Example (a "batcher" that yields its version three times)::
 
     >>> from lit_parl.data.version_gate import VersionGate
     >>> gate = VersionGate(timeout_s=1.0)
-    >>> start = IterationStart(gate, lambda version: Started(version, None, HeadStart(iter([version] * 3), "it", False)))
+    >>> start = IterationStart(gate, lambda version: Started(version, None,
+    ...     HeadStart(iter([version] * 3), "it", False)))
     >>> start.open(0, confirmed=0)
     >>> list(start.take().batches)
     [0, 0, 0]

@@ -76,7 +76,8 @@ class PromptSchedule:
     ) -> None:
         if not isinstance(source, PromptSource):
             raise TypeError(
-                f"PromptSchedule(source={type(source).__name__}): a prompt source has num_rows and row(index) (lit_parl.prompts.prompt_row.PromptSource)"
+                f"PromptSchedule(source={type(source).__name__}): a prompt source has num_rows and row(index) "
+                "(lit_parl.prompts.prompt_row.PromptSource)"
             )
         self.source, self.tokenizer, self.group_size, self.seed = source, tokenizer, group_size, seed
         self.format = prompt_format or PromptFormat()
@@ -98,8 +99,8 @@ class PromptSchedule:
         """A procedural source's rows are made as drawn: check the tokenizer and the first rows now."""
         if self.format.overlong == "drop":
             raise ValueError(
-                f"prompt_format.overlong=drop needs a finite source; {type(self.source).__name__} makes its rows as they are "
-                "drawn, and skipping one would change which draw reads which row: use overlong=error"
+                f"prompt_format.overlong=drop needs a finite source; {type(self.source).__name__} makes its rows "
+                "as they are drawn, and skipping one would change which draw reads which row: use overlong=error"
             )
         rows = [self.source.row(i) for i in range(PROCEDURAL_SAMPLE)]
         self.format.check_tokenizer(self.tokenizer, any_chat=any(r.is_chat for r in rows))
@@ -141,8 +142,9 @@ class PromptSchedule:
         if self.dropped_rows:
             shown = ", ".join(map(str, self.dropped_rows[:10])) + (" ..." if len(self.dropped_rows) > 10 else "")
             warnings.warn(
-                f"dropped {len(self.dropped_rows)} of {rows} prompts longer than {self.token_limit} tokens (rows {shown}); "
-                "to keep them raise prompt_format.max_prompt_tokens, or lower sampling.max_new_tokens (the context holds both)",
+                f"dropped {len(self.dropped_rows)} of {rows} prompts longer than {self.token_limit} tokens "
+                f"(rows {shown}); to keep them raise prompt_format.max_prompt_tokens, "
+                "or lower sampling.max_new_tokens (the context holds both)",
                 stacklevel=2,
             )
         if not usable:
@@ -187,9 +189,8 @@ class PromptSchedule:
             encoded = self.tokenizer(texts + answers, add_special_tokens=False).input_ids
             for i, (prompt_id, row, text) in enumerate(zip(missing, rows, texts)):
                 tokens = tuple(encoded[i])
-                if (
-                    self._usable is None
-                ):  # a procedural row is measured here (a finite source's were at start); too long raises
+                # a procedural row is measured here (a finite source's were at start); too long raises
+                if self._usable is None:
                     self._fits(row, len(tokens))
                 request = GroupRequest(prompt_id=prompt_id, prompt_tokens=tokens, version=-1, seeds=())
                 self._cache[prompt_id] = DrawnPrompt(request, row, text, tuple(encoded[len(rows) + i]))

@@ -52,9 +52,10 @@ class RankShare:
         per_block = shape.prompts_per_step
         if per_block % W or (per_block // W * shape.group_size) % shape.micro_batch_size:
             raise ValueError(
-                f"{W} ranks cannot split the iteration evenly: each optimizer step's {per_block} prompts (shape.prompts="
-                f"{shape.prompts} / mini_batches={shape.mini_batches}) must divide into {W} equal parts of whole micro-batches "
-                f"of {shape.micro_batch_size} completions (group_size={shape.group_size}; micro_batch_size is per rank). "
+                f"{W} ranks cannot split the iteration evenly: each optimizer step's {per_block} prompts "
+                f"(shape.prompts={shape.prompts} / mini_batches={shape.mini_batches}) must divide into {W} equal parts "
+                f"of whole micro-batches of {shape.micro_batch_size} completions (group_size={shape.group_size}; "
+                "micro_batch_size is per rank). "
                 f"Make shape.prompts a multiple of {W * shape.mini_batches}, or lower micro_batch_size."
             )
 

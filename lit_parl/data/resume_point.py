@@ -52,9 +52,10 @@ class ResumePoint:
         iterations_done = state["iterations_done"]
         if state.get("world", 1) != share.world:
             raise ValueError(
-                f"this checkpoint was written inside iteration {iterations_done} by {state.get('world', 1)} rank(s), and "
-                f"this fit has {share.world}: each rank's share of the iteration would differ. Resume inside an iteration "
-                "with the same number of devices, or from a checkpoint written at an iteration's end (any number)."
+                f"this checkpoint was written inside iteration {iterations_done} by {state.get('world', 1)} rank(s), "
+                f"and this fit has {share.world}: each rank's share of the iteration would differ. "
+                "Resume inside an iteration with the same number of devices, "
+                "or from a checkpoint written at an iteration's end (any number)."
             )
         self.trained, self.version = trained, iterations_done
 
@@ -71,7 +72,8 @@ class ResumePoint:
         """Lightning's count of the epoch's trained batches at the stream's start must be what this point leaves out."""
         if lightning_trained != self.trained:
             raise RuntimeError(
-                f"Lightning resumes this epoch after {lightning_trained} trained batches, but the checkpoint's data position "
-                f"says {self.trained}: the checkpoint was written inside an iteration by a lit_parl version that did not record "
-                "its position. Resume from a checkpoint written at an iteration's end (ModelCheckpoint(every_n_epochs=k))."
+                f"Lightning resumes this epoch after {lightning_trained} trained batches, but the checkpoint's data "
+                f"position says {self.trained}: the checkpoint was written inside an iteration by a lit_parl version "
+                "that did not record its position. Resume from a checkpoint written at an iteration's end "
+                "(ModelCheckpoint(every_n_epochs=k))."
             )

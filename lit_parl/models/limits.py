@@ -78,7 +78,8 @@ def check_memory(
     need = micro_batch_bytes(config, samples, sample_tokens, logprob_chunk_size) / 2**30
     if need > budget_gib:
         raise ValueError(
-            f"a micro-batch of {samples} samples of up to {sample_tokens} tokens needs about {need:.1f} GiB of activations "
-            f"and logits, over module.memory_budget_gib={budget_gib:g}: lower shape.micro_batch_size (the update does "
-            "not change: gradients add up over a mini-batch's micro-batches), or module.logprob_chunk_size for the logits"
+            f"a micro-batch of {samples} samples of up to {sample_tokens} tokens needs about {need:.1f} GiB "
+            f"of activations and logits, over module.memory_budget_gib={budget_gib:g}: lower shape.micro_batch_size "
+            "(the update does not change: gradients add up over a mini-batch's micro-batches), "
+            "or module.logprob_chunk_size for the logits"
         )

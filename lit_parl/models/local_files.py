@@ -28,8 +28,9 @@ def pretrained(path: str, dtype: str = "float32") -> tuple[PreTrainedModel, PreT
     directory = Path(path)
     if not (directory / "config.json").is_file():
         raise FileNotFoundError(
-            f"pretrained(path={path!r}): not a Hugging Face model directory (no config.json there). Point it (model.path "
-            "on the command line) at a local directory written by save_pretrained; nothing is downloaded."
+            f"pretrained(path={path!r}): not a Hugging Face model directory (no config.json there). "
+            "Point it (model.path on the command line) at a local directory written by save_pretrained; "
+            "nothing is downloaded."
         )
     tokenizer = AutoTokenizer.from_pretrained(directory)
     model = AutoModelForCausalLM.from_pretrained(directory, dtype=getattr(torch, dtype), attn_implementation="sdpa")

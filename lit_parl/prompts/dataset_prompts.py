@@ -24,7 +24,8 @@ Example::
     >>> DatasetPrompts(path=path, cache_dir=tmp.name)  # doctest: +ELLIPSIS
     Traceback (most recent call last):
     ...
-    ValueError: .../math.jsonl (split 'train') has no column 'prompt' (set prompt_column); its columns: ['question', 'answer', 'level']
+    ValueError: .../math.jsonl (split 'train') has no column 'prompt' (set prompt_column);
+    its columns: ['question', 'answer', 'level']
     >>> tmp.cleanup()
 """
 
@@ -215,8 +216,8 @@ class DatasetPrompts(DatasetRows):
         if eval_rows:
             if eval_rows >= size:
                 raise ValueError(
-                    f"eval_rows={eval_rows} holds out every row of {source} (split {split!r}, {size} rows), leaving none "
-                    f"to train on; set eval_rows below {size}, or use eval_split"
+                    f"eval_rows={eval_rows} holds out every row of {source} (split {split!r}, {size} rows), "
+                    f"leaving none to train on; set eval_rows below {size}, or use eval_split"
                 )
             held_out = np.sort(np.random.default_rng(seed).choice(size, size=eval_rows, replace=False))
             indices = np.setdiff1d(np.arange(size), held_out)

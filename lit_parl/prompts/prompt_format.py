@@ -63,9 +63,10 @@ class PromptFormat:
         """Fail now, not at the first chat row, when the chat template is asked for and the tokenizer has none."""
         if (self.chat or any_chat) and not getattr(tokenizer, "chat_template", None):
             raise ValueError(
-                f"the prompts need a chat template ({'format chat=true' if self.chat else 'the data has messages'}) but the "
-                f"tokenizer {type(tokenizer).__name__} ({getattr(tokenizer, 'name_or_path', '') or 'unnamed'}) has none: use an "
-                "instruct model's tokenizer, set tokenizer.chat_template, or give raw prompts with chat=false"
+                f"the prompts need a chat template ({'format chat=true' if self.chat else 'the data has messages'}) "
+                f"but the tokenizer {type(tokenizer).__name__} "
+                f"({getattr(tokenizer, 'name_or_path', '') or 'unnamed'}) has none: use an instruct model's tokenizer, "
+                "set tokenizer.chat_template, or give raw prompts with chat=false"
             )
 
     def render(self, row: PromptRow, tokenizer: PreTrainedTokenizerBase) -> str:

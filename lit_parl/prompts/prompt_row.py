@@ -1,9 +1,10 @@
 """Prompt rows and the sources that make them: what a run trains (and evaluates) on.
 
-A ``PromptSource`` hands out ``PromptRow``s by index: a dataset file (``lit_parl.prompts.dataset_prompts.DatasetPrompts``),
-or a procedural task (``lit_parl.tasks``: digit strings, countdown). A row is either raw text (``prompt``)
-or a chat (``messages``, rendered by ``lit_parl.prompts.prompt_format.PromptFormat``), with an optional ``answer`` and the
-row's other columns as ``metadata``; rewards see all of them (``lit_parl.rewards``).
+A ``PromptSource`` hands out ``PromptRow``s by index: a dataset file
+(``lit_parl.prompts.dataset_prompts.DatasetPrompts``), or a procedural task (``lit_parl.tasks``: digit strings,
+countdown). A row is either raw text (``prompt``) or a chat (``messages``, rendered by
+``lit_parl.prompts.prompt_format.PromptFormat``), with an optional ``answer`` and the row's other columns as
+``metadata``; rewards see all of them (``lit_parl.rewards``).
 
 A finite source (``num_rows`` an int) is read in a shuffled order per data epoch
 (``lit_parl.data.prompt_schedule.PromptSchedule``); a procedural one (``num_rows=None``) makes row ``i`` for
@@ -70,7 +71,8 @@ def check_messages(messages: Any, index: int) -> list[dict[str, str]]:
     """``messages`` as a list of ``{"role": str, "content": str}``; a clear error naming the row otherwise."""
     if isinstance(messages, (str, bytes)) or not isinstance(messages, (list, tuple)) or not messages:
         raise ValueError(
-            f"row {index}: messages must be a non-empty list of {{'role': ..., 'content': ...}} dicts, got {messages!r:.80}"
+            f"row {index}: messages must be a non-empty list of {{'role': ..., 'content': ...}} dicts, "
+            f"got {messages!r:.80}"
         )
     checked = []
     for turn, message in enumerate(messages):

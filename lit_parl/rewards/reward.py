@@ -72,7 +72,8 @@ def _signature_fields(fn: Callable, name: str) -> tuple[str, ...]:
         parameters = inspect.signature(fn).parameters.values()
     except (TypeError, ValueError) as error:
         raise TypeError(
-            f"reward {name!r}: cannot read its signature ({error}); define it with keyword parameters from {REWARD_FIELDS}"
+            f"reward {name!r}: cannot read its signature ({error}); "
+            f"define it with keyword parameters from {REWARD_FIELDS}"
         ) from error
     if any(p.kind is p.VAR_KEYWORD for p in parameters):
         return REWARD_FIELDS  # **kwargs: everything
@@ -80,14 +81,15 @@ def _signature_fields(fn: Callable, name: str) -> tuple[str, ...]:
     for p in parameters:
         if p.kind in (p.VAR_POSITIONAL, p.POSITIONAL_ONLY):
             raise TypeError(
-                f"reward {name!r}: parameter {p.name!r} must be passable by keyword (rewards are called with keywords from {REWARD_FIELDS})"
+                f"reward {name!r}: parameter {p.name!r} must be passable by keyword "
+                f"(rewards are called with keywords from {REWARD_FIELDS})"
             )
         if p.name in REWARD_FIELDS:
             fields.append(p.name)
         elif p.default is p.empty:
             raise TypeError(
-                f"reward {name!r} requires a parameter {p.name!r}, which is not a reward field; name its parameters from "
-                f"{REWARD_FIELDS} (bind anything else with functools.partial or Hydra's _partial_)"
+                f"reward {name!r} requires a parameter {p.name!r}, which is not a reward field; name its parameters "
+                f"from {REWARD_FIELDS} (bind anything else with functools.partial or Hydra's _partial_)"
             )
     if not fields:
         raise TypeError(f"reward {name!r} takes none of the reward fields {REWARD_FIELDS}")
@@ -142,7 +144,8 @@ class Reward:
                 )
             if "failures" in value:  # reward/<name>/failures counts failed calls
                 raise TypeError(
-                    f"reward {self.name!r} returned a component named 'failures', a name the failure count uses; rename it"
+                    f"reward {self.name!r} returned a component named 'failures', "
+                    "a name the failure count uses; rename it"
                 )
             return {f"{self.name}/{key}": self._number(item, f"{self.name}/{key}") for key, item in value.items()}
         return {self.name: self._number(value, self.name)}
@@ -160,11 +163,15 @@ class Reward:
         except (TypeError, ValueError):
             pass
         raise TypeError(
-            f"reward {what!r} returned {type(value).__name__} {value!r:.60}; a reward returns a number (or a dict of named numbers)"
+            f"reward {what!r} returned {type(value).__name__} {value!r:.60}; "
+            "a reward returns a number (or a dict of named numbers)"
         )
 
     def __repr__(self) -> str:
-        return f"Reward({self.name!r}, weight={self.weight}, fields={self.fields}{', batched' if self.batched else ''}{', async' if self.is_async else ''})"
+        return (
+            f"Reward({self.name!r}, weight={self.weight}, fields={self.fields}"
+            f"{', batched' if self.batched else ''}{', async' if self.is_async else ''})"
+        )
 
 
 def load_function(spec: str) -> Callable:
@@ -191,7 +198,8 @@ def load_function(spec: str) -> Callable:
             module = importlib.import_module(module_name)
         except ImportError as error:
             raise ImportError(
-                f"reward {spec!r}: cannot import module {module_name!r} ({error}); for a file of your own use path/to/file.py:{name}"
+                f"reward {spec!r}: cannot import module {module_name!r} ({error}); "
+                f"for a file of your own use path/to/file.py:{name}"
             ) from error
     if not hasattr(module, name):
         public = sorted(n for n in dir(module) if not n.startswith("_") and callable(getattr(module, n)))[:20]

@@ -4,10 +4,10 @@ Each reward is called as its kind needs (``lit_parl.rewards.Reward``): once per 
 another; once per group (batched); or, for ``async def`` rewards, a group's samples awaited together on
 one long-lived event loop of the scorer's own, in a thread of its own (never the pool's loop, and never
 one the caller may already run). With ``timeout_s`` set, a call that has not returned in time counts as
-failed; so does one that raised or returned NaN or inf. A failure either stops the run (``on_error="error"``: a ``RewardError`` naming the prompt, the
-reward and the traceback) or scores ``error_score`` for that reward and is counted (``"score"``); it is
-never a silent 0 and never a NaN that reaches the advantages. A value that is not a number (a string,
-``None``) is a bug in the reward and always raises.
+failed; so does one that raised or returned NaN or inf. A failure either stops the run (``on_error="error"``: a
+``RewardError`` naming the prompt, the reward and the traceback) or scores ``error_score`` for that reward and
+is counted (``"score"``); it is never a silent 0 and never a NaN that reaches the advantages. A value that is
+not a number (a string, ``None``) is a bug in the reward and always raises.
 
 A synchronous call with a timeout runs on a daemon thread of its own, so the scorer stops waiting at
 its deadline (each call has its own: calls run one at a time, so CPU-bound rewards do not share a
@@ -202,9 +202,9 @@ def score_group(
                 result = _Failure(f"returned a non-finite value {values}", "")
             if policy.on_error == "error":
                 raise RewardError(
-                    f"reward {reward.name!r} {result.why} on prompt {prompt_id}, sample {k}; set scoring.on_error=score "
-                    f"to score such samples {policy.error_score} instead (counted as reward/{reward.name}/failures)"
-                    + (f"\n{result.detail}" if result.detail else "")
+                    f"reward {reward.name!r} {result.why} on prompt {prompt_id}, sample {k}; "
+                    f"set scoring.on_error=score to score such samples {policy.error_score} instead "
+                    f"(counted as reward/{reward.name}/failures)" + (f"\n{result.detail}" if result.detail else "")
                 )
             scored.failures.setdefault(reward.name, []).append(k)
             scored.totals[k] += reward.weight * policy.error_score

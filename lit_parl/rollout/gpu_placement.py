@@ -37,7 +37,8 @@ def split_gpu_ids(
     )
     if any(nested) and not all(nested):
         raise ValueError(
-            f"{owner}(gpu_ids={listed}): mixes lists and ids; give a list per worker ([[0], [1]]) or a flat list ([0, 1])"
+            f"{owner}(gpu_ids={listed}): mixes lists and ids; "
+            "give a list per worker ([[0], [1]]) or a flat list ([0, 1])"
         )
     if all(nested) and listed:
         if len(listed) != num_workers or any(len(ids) != tensor_parallel_size for ids in listed):
@@ -86,7 +87,8 @@ def visible_devices(per_worker: list[list[int | str]], trainer_visible: str | No
                 if gpu >= len(visible):
                     raise ValueError(
                         f"{owner}(gpu_ids=...): GPU {gpu} does not exist in this process, which sees "
-                        f"CUDA_VISIBLE_DEVICES={trainer_visible!r} ({len(visible)} GPU(s), numbered from 0): give ids below {len(visible)}"
+                        f"CUDA_VISIBLE_DEVICES={trainer_visible!r} ({len(visible)} GPU(s), numbered from 0): "
+                        f"give ids below {len(visible)}"
                     )
                 gpu = visible[gpu]
             mapped.append(str(gpu))

@@ -39,7 +39,8 @@ class SamplingParams:
             raise ValueError(f"sampling.max_new_tokens must be >= 1, got {self.max_new_tokens}")
         if not self.temperature >= 0:
             raise ValueError(
-                f"sampling.temperature must be > 0 (log-probs are computed at logits / T), or 0 for greedy evaluation; got {self.temperature}"
+                f"sampling.temperature must be > 0 (log-probs are computed at logits / T), or 0 for greedy evaluation; "
+                f"got {self.temperature}"
             )
         if not 0 < self.top_p <= 1:
             raise ValueError(f"sampling.top_p must be in (0, 1], got {self.top_p}")

@@ -34,7 +34,8 @@ def load_tokenizer(model_dir: str | Path, stop: Sequence[str]) -> PreTrainedToke
     # transformers builds an empty tokenizer from config.json alone, which would never match: ask for its files
     if not any((Path(model_dir) / name).is_file() for name in ("tokenizer.json", "tokenizer_config.json")):
         raise ValueError(
-            f"sampling.stop={tuple(stop)!r} is matched in the decoded completions, but the model directory {str(model_dir)!r} "
+            f"sampling.stop={tuple(stop)!r} is matched in the decoded completions, "
+            f"but the model directory {str(model_dir)!r} "
             "holds no tokenizer (tokenizer.json or tokenizer_config.json). Save it there (tokenizer.save_pretrained), "
             "or drop sampling.stop."
         )

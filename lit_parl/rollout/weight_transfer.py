@@ -59,9 +59,9 @@ def send_cuda_devices_by_uuid() -> None:
         from sglang.srt.utils.patch_torch import monkey_patch_torch_reductions
     except ImportError as error:
         raise ImportError(
-            "the SGLang pool's pool.sync.method='tensor' with CUDA weights needs sglang importable in the trainer's process, "
-            "for its CUDA IPC patch (devices sent by UUID): pip install 'lit-parl[sglang]', or use pool.sync.method='distributed' "
-            "or 'disk'"
+            "the SGLang pool's pool.sync.method='tensor' with CUDA weights needs sglang importable "
+            "in the trainer's process, for its CUDA IPC patch (devices sent by UUID): "
+            "pip install 'lit-parl[sglang]', or use pool.sync.method='distributed' or 'disk'"
         ) from error
     monkey_patch_torch_reductions()
 

@@ -78,11 +78,13 @@ class CountdownTask:
     def __post_init__(self) -> None:
         if not 2 <= self.min_numbers <= self.max_numbers:
             raise ValueError(
-                f"CountdownTask needs 2 <= min_numbers <= max_numbers, got min_numbers={self.min_numbers}, max_numbers={self.max_numbers}"
+                f"CountdownTask needs 2 <= min_numbers <= max_numbers, "
+                f"got min_numbers={self.min_numbers}, max_numbers={self.max_numbers}"
             )
         if not 1 <= self.max_number <= self.max_target:
             raise ValueError(
-                f"CountdownTask needs 1 <= max_number <= max_target, got max_number={self.max_number}, max_target={self.max_target}"
+                f"CountdownTask needs 1 <= max_number <= max_target, "
+                f"got max_number={self.max_number}, max_target={self.max_target}"
             )
         try:
             self.template.format(numbers=[1, 2], target=3)

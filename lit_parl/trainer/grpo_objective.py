@@ -79,8 +79,9 @@ class GRPOObjective:
             exp(mean_t(log π - log π_old)), clipped per sample).
         entropy_coef: subtracts coef·entropy per token (an exploration bonus); 0 skips computing it.
         tis_cap: truncated importance sampling against the rollout engine's log-probs: each token's
-            policy-gradient term (not the KL or entropy terms) is weighted by min(π_old / π_rollout, tis_cap). None (default) is off: the method is
-            on-policy, and π_rollout differs from π_old only by the engine's numerics.
+            policy-gradient term (not the KL or entropy terms) is weighted by min(π_old / π_rollout, tis_cap).
+            None (default) is off: the method is on-policy, and π_rollout differs from π_old only by the
+            engine's numerics.
         dynamic_sampling: DAPO: groups whose rewards are all equal are dropped, and more prompts are
             drawn to keep the iteration's group count (done by the datamodule).
         overlong_buffer, overlong_penalty: DAPO's soft overlong punishment. With length limit L and buffer
@@ -166,8 +167,8 @@ class GRPOObjective:
         """Refuse a micro-batch size this objective cannot train on (KL in the reward needs whole groups)."""
         if self.kl_in_reward and micro_batch_size % group_size:
             raise ValueError(
-                f"GRPOObjective(kl_in_reward=True) needs whole groups per micro-batch: make IterationShape(micro_batch_size="
-                f"{micro_batch_size}) a multiple of group_size={group_size}"
+                f"GRPOObjective(kl_in_reward=True) needs whole groups per micro-batch: "
+                f"make IterationShape(micro_batch_size={micro_batch_size}) a multiple of group_size={group_size}"
             )
 
     def kl_in_reward_advantages(self, batch, old_logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
@@ -180,7 +181,8 @@ class GRPOObjective:
             members = ids == prompt_id
             if int(members.sum()) != batch.group_size:
                 raise ValueError(
-                    "kl_in_reward needs whole groups in each micro-batch: make IterationShape.micro_batch_size a multiple of group_size"
+                    "kl_in_reward needs whole groups in each micro-batch: "
+                    "make IterationShape.micro_batch_size a multiple of group_size"
                 )
             advantages[members] = self.advantages(rewards[members])
         return advantages

@@ -65,10 +65,10 @@ def off_policy_problem(worst_mean: float, prompt_id: int, tolerance: float | Non
     if tolerance is None or not worst_mean > tolerance:  # NaN is NonFiniteGuard's to report
         return None
     return (
-        f"the rollout engine's log-probs of prompt {prompt_id} differ from θ_k's by {worst_mean:.3g} per token (tolerance "
-        f"{tolerance:.3g}): the pool did not sample with the weights of policy version {version} although it reported "
-        "that version (a weight sync that was not applied), or the engine's numerics differ this much from the "
-        "trainer's (then raise datamodule.logprob_tolerance; null: no check)"
+        f"the rollout engine's log-probs of prompt {prompt_id} differ from θ_k's by {worst_mean:.3g} per token "
+        f"(tolerance {tolerance:.3g}): the pool did not sample with the weights of policy version {version} "
+        "although it reported that version (a weight sync that was not applied), or the engine's numerics differ "
+        "this much from the trainer's (then raise datamodule.logprob_tolerance; null: no check)"
     )
 
 
@@ -115,7 +115,8 @@ class NonFiniteGuard:
         """Decide this optimizer step: ``False`` to skip it. ``flagged_elsewhere``: another rank found a problem."""
         if not bool(torch.isfinite(grad_norm)):
             self._problems.append(
-                f"non-finite gradient (norm {float(grad_norm)}) in the step over prompts {sorted(self._step_prompts)[:8]}"
+                f"non-finite gradient (norm {float(grad_norm)}) "
+                f"in the step over prompts {sorted(self._step_prompts)[:8]}"
             )
         elif flagged_elsewhere and not self._problems:
             self._problems.append("a non-finite value on another rank")
@@ -141,9 +142,10 @@ class NonFiniteGuard:
     def _fail(self, prefix: str = "") -> None:
         reason = "" if prefix else " (module.on_nonfinite=raise)"
         raise FloatingPointError(
-            f"{prefix}{' ' if prefix else ''}{'; '.join(self._problems)}: the optimizer step was refused{reason}. A reward that "
-            "returns NaN or infinity, a diverging policy (lower the learning rate) or an engine reporting -inf log-probs "
-            "are the usual causes; on_nonfinite=skip drops such steps and counts them instead."
+            f"{prefix}{' ' if prefix else ''}{'; '.join(self._problems)}: the optimizer step was refused{reason}. "
+            "A reward that returns NaN or infinity, a diverging policy (lower the learning rate) "
+            "or an engine reporting -inf log-probs are the usual causes; "
+            "on_nonfinite=skip drops such steps and counts them instead."
         )
 
     def state_dict(self) -> dict:

@@ -18,7 +18,8 @@ Example::
     (True, 1)
     >>> batches = {"ready": 5, "started": 5, "processed": 5, "completed": 4}
     >>> epochs = {"ready": 1, "started": 1, "processed": 1, "completed": 0}  # written at the end of a cut epoch
-    >>> checkpoint = {"loops": {"fit_loop": {"epoch_loop.batch_progress": {"total": dict(batches), "current": dict(batches)},
+    >>> checkpoint = {"loops": {"fit_loop": {
+    ...     "epoch_loop.batch_progress": {"total": dict(batches), "current": dict(batches)},
     ...     "epoch_progress": {"total": dict(epochs), "current": dict(epochs)}}}}
     >>> progress.save(checkpoint)
     >>> checkpoint["loops"]["fit_loop"]["epoch_loop.batch_progress"]["current"]

@@ -47,7 +47,8 @@ def check_precision(trainer, policy: PreTrainedModel) -> None:
         return
     rank_zero_warn(
         f"the policy's weights are trained in half precision ({held}): updates smaller than about 2^-8 of a weight "
-        "are lost. Keep float32 weights (model.dtype=float32) and compute in bfloat16 with precision='bf16-mixed' (trainer=gpu)."
+        "are lost. Keep float32 weights (model.dtype=float32) "
+        "and compute in bfloat16 with precision='bf16-mixed' (trainer=gpu)."
     )
 
 
@@ -63,9 +64,8 @@ def enable_checkpointing(model: PreTrainedModel) -> None:
     # non-reentrant: it takes the layers' keyword arguments and a context for the backward's recomputation, which
     # must run the attention the forward ran (use_shared_prompt_attention is over by then)
     kwargs = {"use_reentrant": False, "context_fn": checkpoint_context_fn(model)}
-    if hasattr(
-        model, "activation_checkpointing_enable"
-    ):  # transformers >= 5 (gradient_checkpointing_enable is its deprecated alias)
+    # transformers >= 5 (gradient_checkpointing_enable is its deprecated alias)
+    if hasattr(model, "activation_checkpointing_enable"):
         model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
     else:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)

@@ -12,7 +12,10 @@ from lit_parl.prompts.prompt_format import PromptFormat
 from lit_parl.prompts.prompt_row import PromptRow
 
 TOKENIZER = build_char_tokenizer()
-CHAT_TEMPLATE = "{% for m in messages %}{{ m['role'][0] }}:{{ m['content'] }};{% endfor %}{% if add_generation_prompt %}a:{% endif %}"
+CHAT_TEMPLATE = (
+    "{% for m in messages %}{{ m['role'][0] }}:{{ m['content'] }};{% endfor %}"
+    "{% if add_generation_prompt %}a:{% endif %}"
+)
 
 
 class ListSource:
@@ -66,12 +69,11 @@ def test_a_resumed_schedule_draws_exactly_the_prompts_not_yet_trained():
     other = PromptSchedule(ListSource([f"{i}=" for i in range(8)]), TOKENIZER, group_size=2, seed=3)
     with pytest.raises(ValueError, match="checkpoint's data had 7 usable prompt rows, this run's has 8"):
         other.load_state_dict(first.state_dict())
+    other_rows = ListSource([f"{i}=" for i in range(1, 8)])  # same count, other rows
     for changed in (
-        PromptSchedule(
-            ListSource([f"{i}=" for i in range(1, 8)]), TOKENIZER, group_size=2, seed=3
-        ),  # same count, other rows
-        PromptSchedule(source, TOKENIZER, group_size=2, seed=4),
-    ):  # another seed: another order
+        PromptSchedule(other_rows, TOKENIZER, group_size=2, seed=3),
+        PromptSchedule(source, TOKENIZER, group_size=2, seed=4),  # another seed: another order
+    ):
         with pytest.raises(ValueError, match="checkpoint's data had other prompt rows"):
             changed.load_state_dict(first.state_dict())
 

@@ -7,10 +7,11 @@ from ``--model-path``:
 ``/health``, ``/health_generate``, ``/generate`` (single or batched ``input_ids``, ``sampling_params`` as
 one dict or a list, ``n``, ``sampling_seed``, ``stop_token_ids``, ``stop``, ``return_logprob``; answers
 with ``output_ids`` and ``meta_info.output_token_logprobs`` / ``finish_reason`` / ``weight_version``),
-``/server_info`` (``enable_deterministic_inference``), ``/model_info`` (its ``weight_version``), ``/begin_weight_update``, ``/end_weight_update``,
-``/update_weights_from_disk``, ``/update_weights_from_tensor``, ``/init_weights_update_group``,
-``/update_weights_from_distributed`` (gloo here, NCCL in SGLang), ``/destroy_weights_update_group``, ``/pause_generation``,
-``/continue_generation``, ``/flush_cache``.
+``/server_info`` (``enable_deterministic_inference``), ``/model_info`` (its ``weight_version``),
+``/begin_weight_update``, ``/end_weight_update``, ``/update_weights_from_disk``,
+``/update_weights_from_tensor``, ``/init_weights_update_group``, ``/update_weights_from_distributed`` (gloo
+here, NCCL in SGLang), ``/destroy_weights_update_group``, ``/pause_generation``, ``/continue_generation``,
+``/flush_cache``.
 
 The weight-update API of current SGLang (0.5.23): no ``/get_weight_version`` route; tensor and distributed
 updates refused (HTTP 400, ``success: false``) outside a session opened by ``/begin_weight_update`` and

@@ -1,8 +1,9 @@
 """Exactly once (docs/design.md, invariant 3) through real fits with a pool that misbehaves.
 
 Each fault (a group dropped, an unrequested prompt, a group twice, a missing or duplicated sample, a sample
-with a log-prob fewer than its tokens, a group of the previous iteration delivered late) must stop the fit with an error naming the prompt, and no
-sample may be trained twice, trained from a refused group, or lost without that error. Two layers check:
+with a log-prob fewer than its tokens, a group of the previous iteration delivered late) must stop the fit with
+an error naming the prompt, and no sample may be trained twice, trained from a refused group, or lost without
+that error. Two layers check:
 the pool base class (``RolloutPool.generate``) and the trainer (``GroupAcceptor``, ``IterationBatcher``).
 Every fault runs twice: as a real pool returns it (the base must refuse it) and with the base's result
 checks skipped (the trainer must refuse it on its own), so removing either layer's check fails a test
@@ -159,7 +160,10 @@ FAULTS = {  # fault -> (pool, the iteration it stops, {layer: the error message,
         0,
         {
             "pool": r"the wrapped pool ended its stream with prompts \[{t}\] \(1 in all\) never returned",
-            "trainer": r"the pool stopped with prompts \[{t}\] \(1 in all\) never returned: refusing to lose trajectories",
+            "trainer": (
+                r"the pool stopped with prompts \[{t}\] \(1 in all\) never returned: "
+                r"refusing to lose trajectories"
+            ),
         },
     ),
     "unrequested": (ReturnsAnUnrequestedPrompt, 0, UNREQUESTED),
@@ -189,7 +193,10 @@ FAULTS = {  # fault -> (pool, the iteration it stops, {layer: the error message,
         LosesALogprob,
         0,
         {
-            "pool": r"the wrapped pool returned (\d+) log-probs for the (\d+) tokens of prompt {t} sample 2: one per token expected",
+            "pool": (
+                r"the wrapped pool returned (\d+) log-probs for the (\d+) tokens of prompt {t} sample 2: "
+                r"one per token expected"
+            ),
             "trainer": r"prompt {t} sample 2: (\d+) tokens but (\d+) log-probs",
         },
     ),

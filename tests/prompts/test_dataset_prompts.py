@@ -257,7 +257,10 @@ def test_a_non_string_answer_names_the_setting_that_fixes_it(tmp_path, load):
     path = write_jsonl(tmp_path / "a.jsonl", [{"prompt": "p", "answer": 4}])
     with pytest.raises(
         ValueError,
-        match=r"a\.jsonl \(split 'train'\), row 0: column 'answer' must hold a string answer, got int 4 \(set answer_as_text=True",
+        match=(
+            r"a\.jsonl \(split 'train'\), row 0: column 'answer' must hold a string answer, "
+            r"got int 4 \(set answer_as_text=True"
+        ),
     ):
         load(path=path).row(0)
     # a list is not a number: answer_as_text does not turn it into text
@@ -301,7 +304,10 @@ def test_eval_rows_that_leave_nothing_to_train_on(tmp_path, load, eval_rows):
     path = write_jsonl(tmp_path / "r.jsonl", RECORDS)
     with pytest.raises(
         ValueError,
-        match=rf"eval_rows={eval_rows} holds out every row of .*r\.jsonl \(split 'train', 10 rows\).*set eval_rows below 10",
+        match=(
+            rf"eval_rows={eval_rows} holds out every row of .*r\.jsonl \(split 'train', 10 rows\)"
+            r".*set eval_rows below 10"
+        ),
     ):
         load(path=path, eval_rows=eval_rows)
     with pytest.raises(ValueError, match="eval_rows must be >= 0"):

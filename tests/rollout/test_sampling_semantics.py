@@ -89,7 +89,8 @@ def test_logprobs_are_the_trainers_full_softmax_at_t_and_draws_stay_in_the_filte
             ):
                 kept = filtered_distribution(logits, TEMPERATURE, TOP_K, TOP_P)
                 assert token in kept, (
-                    f"prompt {request.prompt_id} drew token {token} at step {t}, outside the filtered set {sorted(kept)}"
+                    f"prompt {request.prompt_id} drew token {token} at step {t}, "
+                    f"outside the filtered set {sorted(kept)}"
                 )
                 filtered_gap = max(filtered_gap, abs(reported[t].item() - torch.tensor(kept[token]).log().item()))
                 cut += len(kept) < TOP_K

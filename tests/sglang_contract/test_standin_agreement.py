@@ -318,5 +318,6 @@ def test_the_standin_answers_a_probe_as_sglang_does(
             post(standin, cleanup_path, cleanup_body)
     del keep
     assert outcome(got) == outcome(sglang.status), (
-        f"the stand-in {outcome(got)} (HTTP {got}), SGLang {outcome(sglang.status)} (HTTP {sglang.status}: {sglang.text[:300]}). {why}"
+        f"the stand-in {outcome(got)} (HTTP {got}), "
+        f"SGLang {outcome(sglang.status)} (HTTP {sglang.status}: {sglang.text[:300]}). {why}"
     )

@@ -1,4 +1,5 @@
-"""The CLI's run end to end: the summary, the metrics file and the Hugging Face export, which reloads in transformers."""
+"""The CLI's run end to end: the summary, the metrics file and the Hugging Face export, which reloads in
+transformers."""
 
 from __future__ import annotations
 

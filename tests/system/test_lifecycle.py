@@ -143,7 +143,8 @@ class _RecordWorkers(lightning.Callback):
 def _assert_recorded_workers(recorder: _RecordWorkers) -> None:
     assert recorder.workers, "the pool reported no worker pids during training"
     assert set(recorder.workers) <= recorder.children_then, (
-        f"workers {sorted(recorder.workers)} were not live children during training: {_describe(recorder.children_then)}"
+        f"workers {sorted(recorder.workers)} were not live children during training: "
+        f"{_describe(recorder.children_then)}"
     )
 
 
@@ -185,7 +186,8 @@ def test_workers_gone_after_exception_in_training():
         _assert_recorded_workers(recorder)
         # the datamodule (and its pool) is still referenced here, as it is in a user's script or notebook
         assert _wait_until(lambda: not any(_alive(p, s) for p, s in recorder.workers.items()), 2.0), (
-            f"rollout workers still alive 2 s after fit raised: {_describe(p for p, s in recorder.workers.items() if _alive(p, s))}"
+            "rollout workers still alive 2 s after fit raised: "
+            f"{_describe(p for p, s in recorder.workers.items() if _alive(p, s))}"
         )
         leftover = _non_tracker_children() - before
         assert not leftover, f"new child processes left after fit raised: {_describe(leftover)}"
@@ -327,7 +329,8 @@ ROWS = {  # data files with one bad row or column, and the message that names it
         r"row 1: the prompt is empty",
     ),
     "bad_messages": (
-        '{"messages": [{"role": "user", "content": "1="}], "answer": "1"}\n{"messages": [{"content": "hi"}], "answer": "3"}\n',
+        '{"messages": [{"role": "user", "content": "1="}], "answer": "1"}\n'
+        '{"messages": [{"content": "hi"}], "answer": "3"}\n',
         ["data.messages_column=messages", "data.prompt_column=null"],
         r"row 1: message 0 must be a dict with string 'role'",
     ),
@@ -509,15 +512,18 @@ _WHEEL_CHECK = textwrap.dedent(
     from hydra.utils import get_class, get_method
     with initialize_config_module(config_module="lit_parl.conf", version_base="1.3"):
         cfg = compose(config_name="config", overrides=["run_dir=unused"])
-        for group in ("model", "data", "reward", "pool", "algorithm", "optimizer", "lr_schedule", "trainer", "logger", "callbacks"):
+        for group in ("model", "data", "reward", "pool", "algorithm", "optimizer", "lr_schedule", "trainer",
+                      "logger", "callbacks"):
             assert group in cfg, group
         assert cfg.model._target_ == "lit_parl.models.tiny_qwen2"
         assert cfg.data._target_ == "lit_parl.tasks.CopyTask"
         assert cfg.pool._target_ == "lit_parl.rollout.HFRolloutPool" and cfg.shape.group_size == 8
         assert cfg.algorithm.objective._target_ == "lit_parl.GRPOObjective"
         assert cfg.trainer._target_ == "lightning.Trainer"
-        other = compose(config_name="config", overrides=["run_dir=unused", "data=reverse", "model=pretrained", "model.path=/x"])
-        assert other.data._target_ == "lit_parl.tasks.ReverseTask" and other.model._target_ == "lit_parl.models.pretrained"
+        overrides = ["run_dir=unused", "data=reverse", "model=pretrained", "model.path=/x"]
+        other = compose(config_name="config", overrides=overrides)
+        assert other.data._target_ == "lit_parl.tasks.ReverseTask"
+        assert other.model._target_ == "lit_parl.models.pretrained"
     for target in (cfg.model._target_, other.model._target_):
         assert under_site(sys.modules[get_method(target).__module__]), target
     for target in (cfg.data._target_, other.data._target_, cfg.pool._target_, cfg.algorithm.objective._target_):

@@ -4,8 +4,9 @@ single-process policy on the same global batch, train every prompt once across r
 sync per iteration of full, correctly named tensors, resume exactly from a checkpoint written inside an
 iteration, and a killed rank ends the whole run with no process left behind.
 
-Each run is ``tests/helpers/distributed_fit.py`` in a process of its own, as a user starts a multi-device run: Lightning's
-launcher starts rank 1 by running the script again. SGD without clipping, so a gradient scale error shows.
+Each run is ``tests/helpers/distributed_fit.py`` in a process of its own, as a user starts a multi-device run:
+Lightning's launcher starts rank 1 by running the script again. SGD without clipping, so a gradient scale error
+shows.
 """
 
 from __future__ import annotations
@@ -99,9 +100,8 @@ def test_two_ranks_train_the_single_process_update_each_prompt_once(single, two_
     for rank in result["ranks"]:  # each rank's engines start from a directory of their own, as transformers writes it
         assert {"config.json", "model.safetensors", "tokenizer.json"} <= set(rank["initial_dir"]["files"])
         assert rank["initial_dir"]["architectures"] == ["Qwen2ForCausalLM"]
-    for rank in result[
-        "ranks"
-    ]:  # each rank's pool: one sync per iteration, every tensor whole and named as in the model
+    # each rank's pool: one sync per iteration, every tensor whole and named as in the model
+    for rank in result["ranks"]:
         assert [sync["version"] for sync in rank["syncs"]] == list(range(ITERATIONS))
         for sync in rank["syncs"]:
             received = [name for name, *_ in sync["tensors"]]
@@ -154,7 +154,8 @@ def test_dynamic_sampling_refills_are_numbered_as_on_one_device(tmp_path):
 
 
 def test_resume_inside_an_iteration_under_two_ranks_is_exact(tmp_path, two_ranks):
-    """Step 3 is the first of iteration 1's two optimizer steps; FSDP2 and FSDP1 write sharded (distributed) checkpoints."""
+    """Step 3 is the first of iteration 1's two optimizer steps; FSDP2 and FSDP1 write sharded (distributed)
+    checkpoints."""
     strategy, straight_dir, straight = two_ranks
     resumed = run(tmp_path, strategy, "--resume", str(straight_dir / "checkpoints" / "step=3.ckpt"))
     assert_same_policy(resumed["policy"], straight["policy"], rtol=1e-6)

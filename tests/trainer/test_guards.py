@@ -157,7 +157,8 @@ class NaNReward(CopyTask):
 
 
 def test_a_reward_returning_nan_stops_the_run_naming_the_reward():
-    """The first line: the scoring policy refuses a NaN reward (``on_error=error``, the default) before any advantage."""
+    """The first line: the scoring policy refuses a NaN reward (``on_error=error``, the default) before any
+    advantage."""
     module, data = make_components(pool=InProcessPool(), task=NaNReward(seed=0), **sgd(0.5))
     with pytest.raises(
         RewardError, match=r"reward 'positional' returned a non-finite value .* on prompt \d+, sample \d+"

@@ -75,8 +75,8 @@ class DeepSpeedAdapter(StrategyAdapter):
         stage = (config.get("zero_optimization") or {}).get("stage", 0)
         if stage not in (2, 3):
             raise ValueError(
-                f"DeepSpeedStrategy with ZeRO stage {stage}: lit_parl runs under stages 2 and 3 (strategy=deepspeed_stage_2 "
-                "or deepspeed_stage_3); without ZeRO use trainer=ddp"
+                f"DeepSpeedStrategy with ZeRO stage {stage}: lit_parl runs under stages 2 and 3 "
+                "(strategy=deepspeed_stage_2 or deepspeed_stage_3); without ZeRO use trainer=ddp"
             )
         clipping = max_grad_norm or 0.0
         if config.get("gradient_clipping", clipping) != clipping:
@@ -89,8 +89,9 @@ class DeepSpeedAdapter(StrategyAdapter):
             "compute_grad_norm", True
         ) is False:
             raise ValueError(
-                "the DeepSpeed config turns off bf16.check_grad_overflow or zero_optimization.compute_grad_norm: lit_parl "
-                "relies on DeepSpeed's gradient norm to skip a non-finite step and to log it; remove those settings"
+                "the DeepSpeed config turns off bf16.check_grad_overflow or zero_optimization.compute_grad_norm: "
+                "lit_parl relies on DeepSpeed's gradient norm to skip a non-finite step and to log it; "
+                "remove those settings"
             )
         config.setdefault(
             "train_micro_batch_size_per_gpu", micro_batch_size
@@ -140,9 +141,8 @@ class DeepSpeedAdapter(StrategyAdapter):
     def step(self, optimizer, policy, scale, max_grad_norm, decide, flagged):
         """DeepSpeed scales and clips its partitioned gradient at its step, and skips a step that is not finite."""
         engine = self.strategy.deepspeed_engine
-        if (
-            flagged
-        ):  # decided (recorded, or raised) here; skipped by DeepSpeed's own step, which also clears its buffers
+        # decided (recorded, or raised) here; skipped by DeepSpeed's own step, which also clears its buffers
+        if flagged:
             decide(torch.zeros(()))
             deepspeed_step(engine, optimizer, math.nan)
             return None

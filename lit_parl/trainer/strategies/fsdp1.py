@@ -46,13 +46,15 @@ class FSDP1Adapter(StrategyAdapter):
         strategy = self.strategy
         if not strategy.kwargs.get("use_orig_params", True):
             raise ValueError(
-                "FSDPStrategy(use_orig_params=False) is not supported: lit_parl's optimizer, θ_k copy and weight sync read "
-                "the model's own parameters. Leave use_orig_params at its default (True)."
+                "FSDPStrategy(use_orig_params=False) is not supported: "
+                "lit_parl's optimizer, θ_k copy and weight sync read the model's own parameters. "
+                "Leave use_orig_params at its default (True)."
             )
         if "auto_wrap_policy" in strategy.kwargs:
             raise ValueError(
-                "FSDPStrategy(auto_wrap_policy=...): lit_parl lays out the units itself (each model a unit, each decoder "
-                "layer a unit inside it, the layout its forward and θ_k copy rely on): leave auto_wrap_policy unset"
+                "FSDPStrategy(auto_wrap_policy=...): lit_parl lays out the units itself (each model a unit, "
+                "each decoder layer a unit inside it, the layout its forward and θ_k copy rely on): "
+                "leave auto_wrap_policy unset"
             )
         self._keep_float32_buffers_and_reductions()
 

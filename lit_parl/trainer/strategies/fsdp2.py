@@ -67,7 +67,8 @@ class FSDP2Adapter(StrategyAdapter):
             return  # a second fit: laid out already
         if "tensor_parallel" in mesh.mesh_dim_names and mesh["tensor_parallel"].size() > 1:
             raise ValueError(
-                "lit_parl shards with FSDP2 only: give ModelParallelStrategy(tensor_parallel_size=1, data_parallel_size=<devices>)"
+                "lit_parl shards with FSDP2 only: "
+                "give ModelParallelStrategy(tensor_parallel_size=1, data_parallel_size=<devices>)"
             )
         mesh = mesh["data_parallel"] if "data_parallel" in mesh.mesh_dim_names else mesh
         for model in (module.policy, module.old, module.reference):

@@ -57,7 +57,8 @@ class StrategyAdapter:
         """After the strategy has set up the models (and its engine)."""
 
     def logprobs(self, model: torch.nn.Module, tokens, temperature: float, chunk_size: int, with_entropy: bool):
-        """``lit_parl.kernels.forward.completion_logprobs`` of ``model``, run where the strategy gathers what it reads."""
+        """``lit_parl.kernels.forward.completion_logprobs`` of ``model``, run where the strategy gathers what it
+        reads."""
         return completion_logprobs(model, tokens, temperature, chunk_size, with_entropy)
 
     def copy_weights(self, source: torch.nn.Module, target: torch.nn.Module) -> None:
