@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import shutil
 import tempfile
+import weakref
 from pathlib import Path
 
 import torch
@@ -33,12 +34,15 @@ class InitialModelDir:
     def __init__(self, model: PreTrainedModel | str | Path, tokenizer: PreTrainedTokenizerBase) -> None:
         self.model, self.tokenizer = model, tokenizer
         self._path: str | None = None  # the temporary directory this object made
+        self._finalizer: weakref.finalize | None = None
 
     def path(self) -> str:
         if isinstance(self.model, (str, Path)):
             return str(self.model)
         if self._path is None:
             self._path = tempfile.mkdtemp(prefix="lit_parl_initial_")
+            # removed even when its owner is never torn down (collected, or the interpreter exits first)
+            self._finalizer = weakref.finalize(self, shutil.rmtree, self._path, ignore_errors=True)
             if torch.distributed.is_available() and torch.distributed.is_initialized():
                 # under torch.distributed `save_pretrained` writes on rank 0 only, but every rank's engines start
                 # from a directory of that rank's own (ranks may be on other machines): this rank writes too.
@@ -55,6 +59,6 @@ class InitialModelDir:
 
     def remove(self) -> None:
         """Delete the temporary directory (nothing when the model was given as a path)."""
-        if self._path is not None:
-            shutil.rmtree(self._path, ignore_errors=True)
-            self._path = None
+        if self._finalizer is not None:
+            self._finalizer()  # removes the directory, once
+            self._path = self._finalizer = None
