@@ -11,6 +11,8 @@ callback                      needs                               from
 ============================  ==================================  =========================================
 ``WeightSync``                ``WeightReceiver``                  its ``pool`` argument, or the datamodule's
                                                                   ``pool`` (``HasRolloutPool``)
+\                             ``SharedWeightReceiver`` (a         the same receiver
+                              receiver every rank reaches)
 \                             ``HasPolicy`` (unless               the LightningModule
                               ``policy_tensors`` is overridden)
 \                             ``IterationGate`` (optional)        the datamodule
@@ -70,6 +72,7 @@ __all__ = [
     "SampleBatch",
     "SampleRecord",
     "SavesPretrained",
+    "SharedWeightReceiver",
     "SyncTimes",
     "TokenDecoder",
     "TrainIntervals",
@@ -92,6 +95,18 @@ class WeightReceiver(Protocol):
     """
 
     def sync_weights(self, buckets: Iterable[WeightBucket], version: int) -> None: ...
+
+
+@runtime_checkable
+class SharedWeightReceiver(Protocol):
+    """A receiver every rank reaches (``shared_across_ranks``: SGLang servers): rank 0 pushes, and every other
+    rank's object then takes the version the push left on it (``lit_parl.rollout.shared_pool``)."""
+
+    shared_across_ranks: bool
+
+    def sync_weights(self, buckets: Iterable[WeightBucket], version: int) -> None: ...
+
+    def adopt_version(self, version: int) -> None: ...
 
 
 @runtime_checkable

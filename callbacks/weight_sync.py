@@ -14,6 +14,7 @@ from .contracts import (
     HasPolicy,
     HasRolloutPool,
     IterationGate,
+    SharedWeightReceiver,
     WeightBucket,
     WeightReceiver,
     contract_problems,
@@ -21,6 +22,7 @@ from .contracts import (
 )
 from .fit_end import is_last_epoch
 from .full_tensors import full_tensors
+from .shared_push import SharedPush
 
 SYNCS_KEPT = 64  # sync intervals kept for readers such as PipelineTimeline (one per iteration)
 
@@ -62,10 +64,12 @@ class WeightSync(Callback):
       ``pl_module.policy.named_parameters()`` and gathers each one that FSDP2 shards (a DTensor) as the
       receiver takes it (``lit_parl.callbacks.full_tensors``); override it for a policy kept elsewhere or
       sharded another way.
-
-    Under several ranks every rank runs the push: the gathers are collectives. Each rank pushes to its
-    own receiver (an embedded pool is one per rank, ``RolloutPool.shared_across_ranks = False``).
     - ``buckets(named_tensors)``: how the tensors are grouped.
+
+    Under several ranks every rank runs the push: the gathers are collectives. An embedded pool is one per
+    rank (``shared_across_ranks`` false), and each rank pushes to its own. A receiver every rank reaches
+    (``shared_across_ranks`` true: SGLang servers, a ``SharedWeightReceiver``) is pushed to once, from rank 0,
+    and the other ranks take the version it then holds (``lit_parl.callbacks.shared_push.SharedPush``).
 
     Args:
         pool: the :class:`~lit_parl.callbacks.WeightReceiver` (anything with ``sync_weights(buckets,
@@ -189,6 +193,17 @@ class WeightSync(Callback):
                 "subclass WeightSync and override `policy_tensors`.",
             )
         self._pushed_for_epoch = None
+        self._shared = None  # one push for every rank, when they all reach one receiver
+        if trainer.world_size > 1 and getattr(self._receiver, "shared_across_ranks", False):
+            require(
+                self._receiver,
+                SharedWeightReceiver,
+                owner="WeightSync",
+                role="its receiver, which says every rank reaches it (shared_across_ranks)",
+                fix="Give it `adopt_version(version)`, which the ranks that did not push call, or set "
+                "shared_across_ranks=False so that each rank pushes to its own receiver.",
+            )
+            self._shared = SharedPush(trainer.strategy, trainer.global_rank)
         # the gate is optional: without one, the datamodule does not wait for the weights
         self._gate = datamodule if datamodule is not None and not contract_problems(datamodule, IterationGate) else None
 
@@ -216,7 +231,10 @@ class WeightSync(Callback):
 
     def _push(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
         start = time.monotonic()
-        self._receiver.sync_weights(self.buckets(named_tensors), version)
+        if self._shared is None:
+            self._receiver.sync_weights(self.buckets(named_tensors), version)
+        else:
+            self._shared.push(self._receiver, self.buckets(named_tensors), version)
         if self._gate is not None:
             self._gate.open_iteration(version)
         self.sync_intervals.append((start, time.monotonic()))

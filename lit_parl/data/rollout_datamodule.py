@@ -35,6 +35,7 @@ from lit_parl.data.iteration_start import IterationStart, Started
 from lit_parl.data.iteration_stats import IterationStats
 from lit_parl.data.iteration_streams import EvalStream, IterationStream
 from lit_parl.data.micro_batch import MicroBatch, Packing
+from lit_parl.data.pool_start import start_pool
 from lit_parl.data.prompt_schedule import PromptSchedule
 from lit_parl.data.rank_share import RankShare, SlotExchange
 from lit_parl.data.resume_point import ResumePoint
@@ -170,16 +171,12 @@ class RolloutDataModule(LightningDataModule):
                 logger.log_metrics({"data/dropped_prompts": float(len(self.schedule.dropped_rows))}, step=0)
         if not self.pool.health().started:
             eos, pad = self.tokenizer.eos_token_id, self.tokenizer.pad_token_id
-            self.pool.start(PoolSpec(self._model_dir.path(), eos, pad, colocated))
+            start_pool(self.pool, PoolSpec(self._model_dir.path(), eos, pad, colocated), self.trainer, self.share)
 
     def _setup_ranks(self, world: int, rank: int) -> None:
-        """Each rank trains its ``RankShare`` of every iteration, from a pool of its own (docs/design.md, "Ranks")."""
+        """Each rank trains its ``RankShare`` of every iteration, from a pool of its own or one shared by every
+        rank (docs/design.md, "Ranks")."""
         self.share = RankShare(self.shape, world, rank)
-        if self.pool.shared_across_ranks:  # every rank would push its own weights to the same servers
-            raise ValueError(
-                f"{type(self.pool).__name__} is one pool for all ranks, which a run of {world} ranks cannot share: "
-                "use an embedded pool (pool=hf or pool=vllm: each rank starts its own) or train on one device"
-            )
         if getattr(self.objective, "dynamic_sampling", False):
             self.slots = SlotExchange(world)
             self._use_prefetch = True  # the exchange runs in the prefetch thread, apart from the gradient's

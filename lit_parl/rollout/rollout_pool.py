@@ -100,6 +100,7 @@ class RolloutPool(ABC):
         self._started = False
         self._closed = False
         self._intervals: list[tuple[float, float]] = []
+        self.joined = False  # a shared pool another rank started (``SharedRolloutPool.join``): it never pushes
 
     # -- what a backend implements ---------------------------------------------------------------------
     @abstractmethod
@@ -187,9 +188,7 @@ class RolloutPool(ABC):
     def start(self, spec: PoolSpec) -> None:
         if self._started:
             raise RuntimeError(f"{type(self).__name__}.start called twice (close it first)")
-        self._closed = False
-        self._version = None
-        self._started = True
+        self._closed, self._version, self._started, self.joined = False, None, True, False
         try:
             self._start(spec)
         except BaseException:
@@ -202,6 +201,11 @@ class RolloutPool(ABC):
         self._require_started("sync_weights")
         if not isinstance(version, int) or version < 0:
             raise ValueError(f"sync_weights(version={version!r}): a version is an int >= 0")
+        if self.joined:
+            raise RuntimeError(
+                f"this {type(self).__name__} joined a pool another rank started: that rank pushes the weights "
+                f"(version {version} was not pushed from here; WeightSync pushes from rank 0 under several ranks)"
+            )
         self._version = None  # nothing may be generated until every worker confirmed the new version
         self._sync_weights(buckets, version)
         self._version = version

@@ -3,11 +3,14 @@ this file again. Each rank writes what it trained, what its pool received and th
 
     python tests/helpers/distributed_fit.py --strategy ddp --devices 2 --out DIR [--mode sync] [--dynamic] [--die RANK]
         [--clip NORM] [--nan-prompt ID] [--save-every-step DIR] [--resume CKPT] [--eval]
+        [--sglang-port PORT --sglang-journal FILE [--sglang-sync METHOD]]
 
 ``--strategy`` is one of single (the one-process run on the same global batch), ddp, fsdp2, fsdp (FSDP1) and
 deepspeed2/deepspeed3 (ZeRO stages); on the CPU, fsdp and deepspeed go through the subclasses below that lift
 Lightning's CUDA-only checks. ``--die RANK`` kills that rank (SIGKILL) at the start of iteration 1, with a
-real worker-process pool, to check that the run ends.
+real worker-process pool, to check that the run ends. ``--sglang-port`` trains from one SGLang pool shared by
+every rank: rank 0 launches two stand-in servers (``tests/helpers/sglang_standin.py``) on PORT and PORT + 1,
+which write what they load and sample to the journal; ``--sglang-sync`` is the weight sync's method.
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 
 from lit_parl import GRPOObjective
 from lit_parl.callbacks import HFExport, WeightSync
-from lit_parl.rollout import HFRolloutPool
+from lit_parl.rollout import HFRolloutPool, SGLangRolloutPool
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: run as a script, its helpers import as helpers.*
 from helpers.components import BatchRecorder, make_components, sgd  # noqa: E402
@@ -195,15 +198,24 @@ def main() -> None:
     )
     parser.add_argument("--save-every-step", default=None, help="a directory: a checkpoint after every optimizer step")
     parser.add_argument("--resume", default=None, help="a checkpoint to resume from")
+    parser.add_argument("--sglang-port", type=int, default=None, help="one SGLang pool (stand-ins) for every rank")
+    parser.add_argument("--sglang-journal", default=None, help="the stand-ins' journal file")
+    parser.add_argument("--sglang-sync", default="tensor", help="the SGLang pool's weight sync method")
+    parser.add_argument("--sglang-master-port", type=int, default=None, help="the distributed sync's rendezvous")
     args = parser.parse_args()
 
     torch.manual_seed(0)
     objective = GRPOObjective(beta=0.04, dynamic_sampling=args.dynamic)
-    pool = (
-        HFRolloutPool(num_workers=1, threads_per_worker=1, prompts_per_request=2, colocated_threads=1)
-        if args.die is not None
-        else RecordingPool()
-    )
+    if args.sglang_port is not None:
+        standin = [sys.executable, str(Path(__file__).with_name("sglang_standin.py")), "--journal", args.sglang_journal]
+        pool = SGLangRolloutPool(
+            launch={"command": standin, "num_servers": 2, "port": args.sglang_port, "dtype": "float32"},
+            sync={"method": args.sglang_sync, "backend": "gloo", "master_port": args.sglang_master_port or 29650},
+        )
+    elif args.die is not None:
+        pool = HFRolloutPool(num_workers=1, threads_per_worker=1, prompts_per_request=2, colocated_threads=1)
+    else:
+        pool = RecordingPool()
     module, datamodule = make_components(
         args.mode,
         pool=pool,

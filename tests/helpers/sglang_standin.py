@@ -43,7 +43,8 @@ Faults for the tests: ``--die-after-generates N`` exits abruptly while answering
 ``/generate``; ``--malformed`` drops ``meta_info`` from answers; ``--stale-version`` accepts updates but
 keeps its weight version; ``--exit-at-start`` exits with code 3 before serving;
 ``--refuse-distributed-updates`` answers ``/update_weights_from_distributed`` with a 400 without joining
-the broadcast.
+the broadcast. ``--journal FILE`` appends a JSON line per weight load (its version and tensors) and per
+sample (the version it was drawn with, its prompt and seed): what tests count across servers and clients.
 """
 
 from __future__ import annotations
@@ -135,6 +136,7 @@ class StandIn:
                         else None
                     )
                     seeds = [seed + k if seed is not None else int(torch.randint(0, 2**62, ())) for k in range(n)]
+                    self._journal(event="generate", version=self.weight_version, prompt=prompt, seeds=seeds)
                     outputs += await asyncio.to_thread(self._sample, prompt, p, seeds, bool(body.get("return_logprob")))
             finally:
                 self.running -= 1
@@ -209,7 +211,14 @@ class StandIn:
         return logits.log_softmax(-1).gather(-1, torch.tensor(tokens)[:, None])[:, 0].tolist()
 
     # -- weights ---------------------------------------------------------------------------------------
+    def _journal(self, **event) -> None:
+        """One line of what the server did (``--journal``), for tests that count loads and requests."""
+        if self.args.journal:
+            with open(self.args.journal, "a") as journal:
+                journal.write(json.dumps({"port": self.args.port, **event}) + "\n")
+
     def _load(self, named: list[tuple[str, torch.Tensor]], version: str | None) -> None:
+        self._journal(event="load", version=version, tensors=[[name, list(t.shape)] for name, t in named])
         parameters = dict(self.model.named_parameters())
         with torch.no_grad():
             for name, tensor in named:
@@ -378,6 +387,7 @@ def main() -> None:
     parser.add_argument("--stale-version", action="store_true")
     parser.add_argument("--exit-at-start", action="store_true")
     parser.add_argument("--refuse-distributed-updates", action="store_true")
+    parser.add_argument("--journal", default=None, help="a file: one JSON line per weight load and per sample")
     parser.add_argument(
         "--legacy-api", action="store_true", help="an SGLang before weight-update sessions and /model_info's version"
     )

@@ -24,6 +24,7 @@ from hydra import compose, initialize_config_module
 from hydra.utils import instantiate
 from omegaconf.errors import MissingMandatoryValue
 
+from helpers.multi_process import free_port
 from helpers.sampling_references import argmax_loop, filtered_distribution, stop_strings_for
 from lit_parl.models import tiny_qwen2
 from lit_parl.rollout import PoolSpec
@@ -46,25 +47,6 @@ pytest.importorskip("aiohttp")
 
 STANDIN = [sys.executable, str(Path(__file__).resolve().parents[1] / "helpers" / "sglang_standin.py")]
 SAMPLING = SamplingParams(max_new_tokens=5, temperature=0.7)
-
-
-def free_port(consecutive: int = 1) -> int:
-    """A port p with p .. p + consecutive - 1 free now (launched server i listens on the pool's port + i)."""
-    while True:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        if all(_bindable(port + i) for i in range(1, consecutive)):
-            return port
-
-
-def _bindable(port: int) -> bool:
-    with socket.socket() as s:
-        try:
-            s.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-    return True
 
 
 def alive(pid: int) -> bool:
@@ -652,16 +634,20 @@ def test_the_pool_config_mirrors_the_settings_with_their_defaults():
 
 
 def test_the_sglang_experiments_compose_and_build_their_pools():
-    """``+experiment=sglang_one_node``: servers launched on GPUs 1-3 of the trainer's node; ``sglang_nodes``:
-    servers attached behind the router, which the pool cannot build before it is told where they are."""
+    """``+experiment=sglang_one_node``: a 4-rank FSDP2 trainer on GPUs 0-3, servers launched on GPUs 4-7 of its
+    node; ``sglang_nodes``: an FSDP2 trainer of 8 GPUs a node, servers attached behind the router (listening
+    where the other trainer nodes reach it), which the pool cannot build before it is told where they are."""
     one_node = compose_config("+experiment=sglang_one_node", "model.path=/models/policy")
-    assert one_node.trainer.devices == 1 and one_node.trainer.precision == "bf16-mixed"
+    trainer = one_node.trainer
+    assert (trainer.accelerator, trainer.devices, trainer.precision) == ("gpu", 4, "bf16-mixed")
+    assert trainer.strategy._target_ == "lightning.pytorch.strategies.ModelParallelStrategy"
     pool = instantiate(one_node.pool)
-    assert pool.launch.model_path == "/models/policy" and pool.launch.num_servers == 3
-    assert pool._gpus == [[1], [2], [3]] and pool.sync.method == "distributed" and pool.servers.urls is None
+    assert pool.launch.model_path == "/models/policy" and pool.launch.num_servers == 4
+    assert pool._gpus == [[4], [5], [6], [7]] and pool.sync.method == "distributed" and pool.servers.urls is None
 
     nodes = compose_config("+experiment=sglang_nodes")
-    assert nodes.trainer.devices == 1 and nodes.pool.sync.method == "distributed"
+    assert nodes.trainer.devices == 8 and nodes.trainer.strategy.data_parallel_size == 8
+    assert nodes.pool.sync.method == "distributed" and nodes.pool.launch.host == "0.0.0.0"
     with pytest.raises(MissingMandatoryValue, match="urls"):
         instantiate(nodes.pool)
     urls = "pool.servers.urls=[http://infer1:30000,http://infer2:30000]"
@@ -753,12 +739,14 @@ def test_a_distributed_sync_refuses_a_group_with_a_dead_member(spec):
 
 def test_generation_through_sglang_router(spec):
     """The real sglang_router (PyPI) in front of two stand-in servers: generation goes through the router,
-    weight updates to each server; close() stops the router and the servers it launched."""
+    weight updates to each server; close() stops the router and the servers it launched. A pool another rank
+    joins at the launching pool's address generates through the same router."""
     pytest.importorskip("sglang_router")
     model, tokenizer = tiny_qwen2()
     router = {"enabled": True, "port": free_port()}
     pool = start_pool(spec, launch={"num_servers": 2}, router=router, sync=sync_by("disk"))
     pids = pool.launched_pids()
+    joined = SGLangRolloutPool()
     try:
         assert len(pids) == 3 and pool.health().details["router"] is not None
         pool.sync_weights(buckets(model), version=0)
@@ -768,8 +756,45 @@ def test_generation_through_sglang_router(spec):
         for completion, logprobs in zip(groups[0].completions, groups[0].logprobs):
             expected = trainer_logprobs(model, request.prompt_tokens, completion, 0.7)
             torch.testing.assert_close(torch.tensor(logprobs), expected, atol=1e-4, rtol=0)
+        joined.join(spec, pool.address())
+        joined.adopt_version(0)
+        assert joined.health().details["router"] == pool.health().details["router"]
+        again = {g.prompt_id: g for g in joined.generate(requests_for(0, prompts=6), SAMPLING)}
+        assert all(again[i].completions == groups[i].completions for i in groups), "the same seeds, other samples"
     finally:
+        joined.close()
         pool.close()
+    assert not any(alive(p) for p in pids)
+
+
+def test_a_pool_joined_from_another_rank_generates_on_the_same_servers_and_never_pushes(spec):
+    """What a rank other than 0 holds under a multi-rank trainer: the servers rank 0 launched, reached at its
+    ``address``; it takes a version only once the servers report it, never pushes, and stops nothing."""
+    model, _ = tiny_qwen2(seed=0)
+    owner = start_pool(spec, launch={"num_servers": 2}, sync=sync_by("tensor"))
+    pids = owner.launched_pids()
+    joined = SGLangRolloutPool()
+    try:
+        joined.join(spec, owner.address())
+        assert joined.joined and joined.health().workers == 2 and joined.launched_pids() == []
+        owner.sync_weights(buckets(model), version=0)
+        with pytest.raises(RuntimeError, match=r"weight sync to version 1 was not confirmed: the servers reported"):
+            joined.adopt_version(1)
+        assert joined.version is None, "a version the servers do not report must not be taken"
+        joined.adopt_version(0)
+        mine = {g.prompt_id: g for g in owner.generate(requests_for(0, prompts=2), SAMPLING)}
+        theirs = {g.prompt_id: g for g in joined.generate(requests_for(0, prompts=2, first=2), SAMPLING)}
+        assert sorted(theirs) == [2, 3] and {g.version for g in [*mine.values(), *theirs.values()]} == {0}
+        with pytest.raises(RuntimeError, match="joined a pool another rank started: that rank pushes the weights"):
+            joined.sync_weights(buckets(model), version=1)
+        with pytest.raises(RuntimeError, match="joined a pool: ask the rank that started it"):
+            joined.address()
+        joined.close()
+        assert all(alive(p) for p in pids), "a joined pool stopped servers it did not launch"
+        assert list(owner.generate(requests_for(0, prompts=1), SAMPLING))
+    finally:
+        joined.close()
+        owner.close()
     assert not any(alive(p) for p in pids)
 
 

@@ -24,6 +24,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from helpers.multi_process import assert_same_policy
+
 pytestmark = pytest.mark.slow  # make test-slow: several minutes of 2-process fits
 
 SCRIPT = Path(__file__).resolve().parents[1] / "helpers" / "distributed_fit.py"
@@ -58,13 +60,6 @@ def run(out: Path, strategy: str = "single", *flags: str) -> dict:
         "policy": torch.load(out / "policy.pt"),
         "ranks": [json.loads(path.read_text()) for path in ranks],
     }
-
-
-def assert_same_policy(got: dict, expected: dict, rtol: float = 1e-5) -> None:
-    assert got.keys() == expected.keys()
-    for name, tensor in expected.items():
-        scale = tensor.abs().max().clamp(min=1e-12)
-        assert float((got[name] - tensor).abs().max() / scale) <= rtol, name
 
 
 def samples(result: dict) -> list[tuple]:

@@ -106,6 +106,9 @@ class ServerFleet:
     def attach(self, urls: list[str]) -> None:
         self.servers += [Server(url=url) for url in urls]
 
+    def attach_router(self, url: str) -> None:
+        self.router = Server(url=url)  # another process's router: never stopped from here
+
     def launch_server(self, command: list[str], env: dict, url: str, log_name: str) -> Server:
         server = self._spawn(command, env, url, log_name)
         self.launched.append(server.process)
@@ -180,6 +183,20 @@ class ServerFleet:
     def pids(self) -> list[int]:
         """Process ids of what was launched (router included)."""
         return [p.pid for p in self.launched]
+
+
+def reachable_url(url: str, host: str) -> str:
+    """``url`` with a wildcard listening address (``0.0.0.0``, ``[::]``) replaced by ``host``, a name the other
+    machines resolve: what a server listening everywhere is reached at from another trainer node.
+
+    >>> reachable_url("http://0.0.0.0:30100", "train-0"), reachable_url("http://infer1:30000", "train-0")
+    ('http://train-0:30100', 'http://infer1:30000')
+    """
+    scheme, rest = url.split("://", 1)
+    for wildcard in ("0.0.0.0", "[::]"):
+        if rest.startswith(wildcard + ":") or rest == wildcard:
+            return f"{scheme}://{host}{rest[len(wildcard) :]}"
+    return url
 
 
 def log_tail(path: Path | None, lines: int = 20) -> str:

@@ -12,6 +12,7 @@ import asyncio
 import functools
 import os
 import queue
+import socket
 import tempfile
 import warnings
 import weakref
@@ -20,10 +21,17 @@ from pathlib import Path
 
 from lit_parl.rollout.gpu_placement import split_gpu_ids, visible_devices
 from lit_parl.rollout.records import GroupCompletions, GroupRequest, SamplingParams
-from lit_parl.rollout.rollout_pool import PoolSpec, RolloutPool, WeightBucket
+from lit_parl.rollout.rollout_pool import PoolSpec, WeightBucket
 from lit_parl.rollout.sglang.client import HTTPClient, RouteNotFound, post_with_retries
 from lit_parl.rollout.sglang.messages import Ends, abort_reason, parse_group, sample_payload
-from lit_parl.rollout.sglang.servers import ServerFleet, check_server_env, router_command, server_command, stop_launched
+from lit_parl.rollout.sglang.servers import (
+    ServerFleet,
+    check_server_env,
+    reachable_url,
+    router_command,
+    server_command,
+    stop_launched,
+)
 from lit_parl.rollout.sglang.settings import (
     LaunchSettings,
     RequestSettings,
@@ -32,11 +40,12 @@ from lit_parl.rollout.sglang.settings import (
     SyncSettings,
 )
 from lit_parl.rollout.sglang.weights import WeightUpdater
+from lit_parl.rollout.shared_pool import SharedRolloutPool
 from lit_parl.rollout.stop_strings import load_tokenizer
 from lit_parl.settings import as_settings
 
 
-class SGLangRolloutPool(RolloutPool):
+class SGLangRolloutPool(SharedRolloutPool):
     """SGLang servers as the rollout pool: launch them (``servers.urls`` unset) or attach to ``servers.urls``.
 
     Log-probs: SGLang reports each sampled token's in the full softmax of logits / T, before top-k and
@@ -60,7 +69,6 @@ class SGLangRolloutPool(RolloutPool):
     """
 
     backend = "sglang"
-    shared_across_ranks = True
 
     def __init__(
         self,
@@ -97,14 +105,7 @@ class SGLangRolloutPool(RolloutPool):
         servers, launch = self.servers, self.launch
         if servers.urls is None:
             check_server_env(os.environ)  # an attached server's environment is its own (see the class docstring)
-        self._eos_id, self._model_dir = spec.eos_id, spec.model_dir
-        workdir = tempfile.mkdtemp(prefix="lit_parl_sglang_")
-        self._fleet = fleet = ServerFleet(workdir)
-        # stop what was launched and remove the work dir even if the owner forgets to close the pool
-        self._finalizer = weakref.finalize(self, stop_launched, fleet.launched, workdir)
-        self._client = HTTPClient(self.requests.timeout_s)
-        sync_dir = self.sync.dir or Path(workdir) / "sync"
-        self._weights = WeightUpdater(self._client, spec.model_dir, sync_dir, servers.tp_size, self.sync)
+        fleet = self._open(spec)
         if servers.urls is None:
             self._launch_servers(str(launch.model_path or spec.model_dir))
         else:
@@ -119,6 +120,35 @@ class SGLangRolloutPool(RolloutPool):
             command = router_command(urls, launch.host, self.router.port, self.router.args)
             router = fleet.launch_router(command, f"http://{launch.host}:{self.router.port}")
             fleet.wait_healthy(self._client, router, launch.start_timeout_s)
+
+    def _open(self, spec: PoolSpec) -> ServerFleet:
+        """The fleet (empty), the HTTP client and the weight updater, whether this rank starts or joins."""
+        self._eos_id, self._model_dir = spec.eos_id, spec.model_dir
+        workdir = tempfile.mkdtemp(prefix="lit_parl_sglang_")
+        self._fleet = fleet = ServerFleet(workdir)
+        # stop what was launched and remove the work dir even if the owner forgets to close the pool
+        self._finalizer = weakref.finalize(self, stop_launched, fleet.launched, workdir)
+        self._client = HTTPClient(self.requests.timeout_s)
+        sync_dir = self.sync.dir or Path(workdir) / "sync"
+        self._weights = WeightUpdater(self._client, spec.model_dir, sync_dir, self.servers.tp_size, self.sync)
+        return fleet
+
+    # -- SharedRolloutPool: every rank's pool object reaches the same servers --------------------------
+    def _address(self) -> dict:
+        fleet, here = self._fleet, socket.getfqdn()  # a server listening on 0.0.0.0 is reached at this host's name
+        urls = [reachable_url(s.url, here) for s in fleet.live()]
+        return {"urls": urls, "router": reachable_url(fleet.router.url, here) if fleet.router else None}
+
+    def _join(self, spec: PoolSpec, address: dict) -> None:
+        fleet = self._open(spec)
+        fleet.attach(address["urls"])
+        if address.get("router"):
+            fleet.attach_router(address["router"])
+        for server in [*fleet.servers, *([fleet.router] if fleet.router else [])]:
+            fleet.wait_healthy(self._client, server, self.servers.attach_timeout_s)
+
+    def _adopt_version(self, version: int) -> None:
+        self._weights.check_reported(self._fleet.live(), version)
 
     def _launch_servers(self, model_path: str) -> None:
         launch, tp_size = self.launch, self.servers.tp_size

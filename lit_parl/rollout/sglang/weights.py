@@ -243,6 +243,14 @@ class WeightUpdater:
 
     async def _confirm(self, servers: list[Server], version: int) -> None:
         await self._each(servers, lambda s: self.client.post(s.url, "/flush_cache", {}))
+        await self._check_reported(servers, version)
+        await self._each(servers, lambda s: self.client.post(s.url, "/continue_generation", {}))
+
+    def check_reported(self, servers: list[Server], version: int) -> None:
+        """Raise unless every one of ``servers`` reports ``version`` (a sync another rank's pool made)."""
+        self.client.run(self._check_reported(servers, version))
+
+    async def _check_reported(self, servers: list[Server], version: int) -> None:
         reported = await self._each(servers, self.reported_version)
         wrong = [(s.url, got) for s, got in zip(servers, reported) if got != str(version)]
         if wrong:
@@ -250,7 +258,6 @@ class WeightUpdater:
                 f"weight sync to version {version} was not confirmed: the servers reported {wrong} "
                 "(url, weight_version). Refusing to generate with unknown weights."
             )
-        await self._each(servers, lambda s: self.client.post(s.url, "/continue_generation", {}))
 
     async def _update(self, server: Server, path: str, payload: dict) -> None:
         answer = await self.client.post(server.url, path, payload)

@@ -1,0 +1,68 @@
+"""SharedPush: one weight push for every rank, to a receiver all the ranks reach (a pool of servers)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from lightning.pytorch.strategies import Strategy
+
+from .contracts import SharedWeightReceiver, WeightBucket
+
+
+class SharedPush:
+    r"""Push each version once, from rank 0, while every rank reads the weights; every rank then holds it.
+
+    Every rank iterates the buckets, since reading a sharded policy is a collective (FSDP2's ``full_tensor``,
+    FSDP1's unit by unit, ZeRO-3's gathered parameters): rank 0 hands them to the receiver, the other ranks
+    drop each bucket once read, so the extra memory stays one bucket. Whatever rank 0's receiver left unread
+    (it failed half-way) is read too, so no rank is left inside a gather. Then one broadcast carries rank 0's
+    outcome; each other rank, on success, takes the version from the receiver (``adopt_version``: its view of
+    the servers checks that they report it). One reduction tells every rank whether every rank holds it, and
+    a failure anywhere raises on every rank: none is left waiting in the trainer's next collective.
+
+    Args:
+        strategy: the trainer's strategy: its ``broadcast`` and ``reduce_boolean_decision`` are the collectives.
+        rank: this process's global rank (``trainer.global_rank``).
+
+    Example (one process, whose strategy's collectives return what they are given)::
+
+        >>> from lightning.pytorch.strategies import SingleDeviceStrategy
+        >>> class Servers:
+        ...     shared_across_ranks = True
+        ...     def sync_weights(self, buckets, version): self.names = [n for b in buckets for n, _ in b]
+        ...     def adopt_version(self, version): pass
+        >>> servers = Servers()
+        >>> SharedPush(SingleDeviceStrategy("cpu"), rank=0).push(servers, iter([[("w", None)], [("b", None)]]), 0)
+        >>> servers.names
+        ['w', 'b']
+    """
+
+    def __init__(self, strategy: Strategy, rank: int) -> None:
+        self.strategy = strategy
+        self.rank = rank
+
+    def push(self, receiver: SharedWeightReceiver, buckets: Iterator[WeightBucket], version: int) -> None:
+        """Load ``version`` on the receiver from rank 0; return on every rank once every rank holds it."""
+        failure: BaseException | None = None
+        if self.rank == 0:
+            try:
+                receiver.sync_weights(buckets, version)
+            except BaseException as error:  # noqa: BLE001 - said to the other ranks first, then raised
+                failure = error
+        for _ in buckets:  # the rest of the reads (all of them off rank 0): each may be a collective
+            pass
+        said = self.strategy.broadcast(None if failure is None else f"{type(failure).__name__}: {failure}", src=0)
+        if said is None and self.rank != 0:
+            try:
+                receiver.adopt_version(version)
+            except BaseException as error:  # noqa: BLE001 - counted below, then raised
+                failure = error
+        everyone = self.strategy.reduce_boolean_decision(failure is None and said is None, all=True)
+        if failure is not None:
+            raise failure
+        if said is not None:
+            raise RuntimeError(f"rank 0 could not push version {version} to the shared pool: {said}")
+        if not everyone:
+            raise RuntimeError(
+                f"another rank could not take version {version} from the shared pool (that rank's error says why)"
+            )

@@ -1,0 +1,150 @@
+"""SharedPush and start_pool, one rank at a time: what each rank does with what the collectives tell it.
+
+The collectives are a stand-in strategy that answers as the other ranks would (what rank 0 broadcast, whether
+every rank agreed); the 2-process runs with real collectives are tests/system/test_shared_pool.py.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+from lit_parl.callbacks.shared_push import SharedPush
+from lit_parl.data.iteration_shape import IterationShape
+from lit_parl.data.pool_start import start_pool
+from lit_parl.data.rank_share import RankShare
+from lit_parl.rollout.pool_records import PoolSpec
+
+
+class Collectives:
+    """A strategy's collectives as rank ``rank`` sees them; ``said``: what rank 0 broadcasts to the others."""
+
+    def __init__(self, rank: int, said=None, everyone_agrees: bool = True) -> None:
+        self.rank, self.said, self.everyone_agrees = rank, said, everyone_agrees
+        self.broadcast_sent: list = []
+        self.decisions: list[bool] = []
+
+    def broadcast(self, obj, src=0):
+        self.broadcast_sent.append(obj)
+        return obj if self.rank == src else self.said
+
+    def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:
+        self.decisions.append(decision)
+        return decision and self.everyone_agrees
+
+
+class Receiver:
+    shared_across_ranks = True
+
+    def __init__(self, fail_after: int | None = None, adopt_fails: bool = False) -> None:
+        self.fail_after, self.adopt_fails = fail_after, adopt_fails
+        self.taken: list[str] = []
+        self.adopted: list[int] = []
+
+    def sync_weights(self, buckets, version):
+        for bucket in buckets:
+            if self.fail_after is not None and len(self.taken) == self.fail_after:
+                raise ConnectionError("server gone")
+            self.taken += [name for name, _ in bucket]
+
+    def adopt_version(self, version):
+        if self.adopt_fails:
+            raise RuntimeError("servers report version 0")
+        self.adopted.append(version)
+
+
+def buckets(read: list[str]):
+    """Three buckets; each read is recorded, as a sharded policy's gather would be a collective."""
+    for name in ("a", "b", "c"):
+        read.append(name)
+        yield [(name, None)]
+
+
+def test_rank_0_pushes_and_the_others_adopt():
+    receiver, read = Receiver(), []
+    SharedPush(Collectives(rank=0), rank=0).push(receiver, buckets(read), 3)
+    assert receiver.taken == ["a", "b", "c"] and receiver.adopted == [] and read == ["a", "b", "c"]
+    other, read = Receiver(), []
+    SharedPush(Collectives(rank=1), rank=1).push(other, buckets(read), 3)
+    assert other.taken == [] and other.adopted == [3]
+    assert read == ["a", "b", "c"], "a rank that does not push must still read every bucket (the gathers)"
+
+
+def test_a_push_that_fails_half_way_still_reads_every_bucket_and_says_why_to_the_others():
+    collectives, read = Collectives(rank=0), []
+    with pytest.raises(ConnectionError, match="server gone"):
+        SharedPush(collectives, rank=0).push(Receiver(fail_after=1), buckets(read), 3)
+    assert read == ["a", "b", "c"], "rank 0 stopped reading: the other ranks would wait in a gather"
+    assert collectives.broadcast_sent == ["ConnectionError: server gone"] and collectives.decisions == [False]
+    other = Receiver()
+    with pytest.raises(RuntimeError, match="rank 0 could not push version 3 to the shared pool: ConnectionError"):
+        SharedPush(Collectives(rank=1, said="ConnectionError: server gone"), rank=1).push(other, buckets([]), 3)
+    assert other.adopted == [], "a rank must not take a version rank 0 failed to push"
+
+
+def test_a_rank_that_cannot_adopt_stops_every_rank():
+    with pytest.raises(RuntimeError, match="servers report version 0"):
+        SharedPush(Collectives(rank=1), rank=1).push(Receiver(adopt_fails=True), buckets([]), 3)
+    with pytest.raises(RuntimeError, match="another rank could not take version 3"):
+        SharedPush(Collectives(rank=0, everyone_agrees=False), rank=0).push(Receiver(), buckets([]), 3)
+
+
+class Pool:
+    backend = "test"
+    shared_across_ranks = True
+
+    def __init__(self, start_fails: bool = False) -> None:
+        self.start_fails = start_fails
+        self.calls: list = []
+
+    def start(self, spec):
+        if self.start_fails:
+            raise OSError("port in use")
+        self.calls.append("start")
+
+    def address(self):
+        return {"urls": ["http://a:1"]}
+
+    def join(self, spec, address):
+        self.calls.append(("join", address))
+
+
+def trainer_of(collectives: Collectives) -> SimpleNamespace:
+    """What start_pool reads of a lightning.Trainer: its strategy."""
+    return SimpleNamespace(strategy=collectives)
+
+
+SPEC = PoolSpec(model_dir="unused", eos_id=1, pad_id=0)
+SHAPE = IterationShape(prompts=8, group_size=4, micro_batch_size=4)
+
+
+def test_rank_0_starts_a_shared_pool_and_the_others_join_it_at_its_address():
+    first, second = Pool(), Pool()
+    collectives = Collectives(rank=0)
+    start_pool(first, SPEC, trainer_of(collectives), RankShare(SHAPE, world=2, rank=0))
+    assert first.calls == ["start"] and collectives.broadcast_sent == [{"urls": ["http://a:1"]}]
+    start_pool(
+        second, SPEC, trainer_of(Collectives(rank=1, said={"urls": ["http://a:1"]})), RankShare(SHAPE, world=2, rank=1)
+    )
+    assert second.calls == [("join", {"urls": ["http://a:1"]})]
+    alone = Pool()
+    start_pool(alone, SPEC, None, RankShare(SHAPE))  # one rank: started as any pool
+    assert alone.calls == ["start"]
+
+
+def test_a_shared_pool_that_rank_0_cannot_start_stops_every_rank():
+    collectives = Collectives(rank=0)
+    with pytest.raises(OSError, match="port in use"):
+        start_pool(Pool(start_fails=True), SPEC, trainer_of(collectives), RankShare(SHAPE, world=2, rank=0))
+    assert collectives.broadcast_sent == ["OSError: port in use"], "the others must hear why, not wait"
+    other = Pool()
+    with pytest.raises(RuntimeError, match="rank 0 could not start the shared test pool: OSError: port in use"):
+        start_pool(
+            other, SPEC, trainer_of(Collectives(rank=1, said="OSError: port in use")), RankShare(SHAPE, world=2, rank=1)
+        )
+    assert other.calls == []
+    with pytest.raises(RuntimeError, match="another rank could not join the shared test pool"):
+        start_pool(
+            Pool(), SPEC, trainer_of(Collectives(rank=0, everyone_agrees=False)), RankShare(SHAPE, world=2, rank=0)
+        )
