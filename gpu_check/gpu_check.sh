@@ -1,12 +1,14 @@
 #!/usr/bin/env bash
 # The one script for a machine with one or more GPUs and no internet (docs/gpu.md, "The GPU check"): under 10
-# minutes (the sections' limits add up to 500 s, each plus 15 s to kill), every result in one file,
+# minutes below 3 GPUs (the sections' limits add up to 500 s, each plus 15 s to kill; with 3 GPUs or more the
+# shared-pool section adds up to 240 s), every result in one file,
 # $OUT/gpu_check.json (exit 1 if a check failed or none ran).
 # Sections, each under its own time limit, each logging records as it goes (gpu_check/gpu_records.py):
 #   gpu_check.py         shared-prompt exactness (flex, flash in bfloat16) and speed, a short bf16-mixed fit
 #   gpu_strategies.py    DDP, FSDP2, FSDP1, DeepSpeed ZeRO-2/3 against one device
 #   gpu_check_vllm.py    the vLLM pool on the GPU: start, sync, generate, the versions (if vllm is importable)
 #   gpu_check_sglang.py  an SGLang server: launch, a sync by each method one GPU allows, generate (if sglang is)
+#   gpu_shared_pool.py   one SGLang pool for a 2-rank DDP trainer (3 GPUs and sglang, else skipped)
 # Wheels for what the machine lacks go in .whl/ (installed with --no-deps into /tmp/site first).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -49,4 +51,5 @@ section kernels_and_fit 170 "gpu_check.py $FAST_ARGS"
 section strategies 130 gpu_strategies.py
 section vllm 100 gpu_check_vllm.py
 section sglang 100 gpu_check_sglang.py
+section shared_pool 240 gpu_shared_pool.py
 "$PY" gpu_check/gpu_records.py "$OUT"

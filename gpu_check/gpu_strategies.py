@@ -24,7 +24,7 @@ import torch
 from gpu_records import log
 
 ROOT = Path(__file__).resolve().parent.parent
-SCRIPT = ROOT / "tests" / "distributed_fit.py"
+SCRIPT = ROOT / "tests" / "helpers" / "distributed_fit.py"
 
 
 def run(out: Path, strategy: str, devices: int) -> dict:

@@ -3,14 +3,15 @@ this file again. Each rank writes what it trained, what its pool received and th
 
     python tests/helpers/distributed_fit.py --strategy ddp --devices 2 --out DIR [--mode sync] [--dynamic] [--die RANK]
         [--clip NORM] [--nan-prompt ID] [--save-every-step DIR] [--resume CKPT] [--eval]
-        [--sglang-port PORT --sglang-journal FILE [--sglang-sync METHOD]]
+        [--sglang-port PORT --sglang-journal FILE [--sglang-sync METHOD] [--sglang-gpus GPU ...]]
 
 ``--strategy`` is one of single (the one-process run on the same global batch), ddp, fsdp2, fsdp (FSDP1) and
 deepspeed2/deepspeed3 (ZeRO stages); on the CPU, fsdp and deepspeed go through the subclasses below that lift
 Lightning's CUDA-only checks. ``--die RANK`` kills that rank (SIGKILL) at the start of iteration 1, with a
 real worker-process pool, to check that the run ends. ``--sglang-port`` trains from one SGLang pool shared by
 every rank: rank 0 launches two stand-in servers (``tests/helpers/sglang_standin.py``) on PORT and PORT + 1,
-which write what they load and sample to the journal; ``--sglang-sync`` is the weight sync's method.
+which write what they load and sample to the journal; ``--sglang-sync`` is the weight sync's method;
+``--sglang-gpus`` launches SGLang itself instead, one server per GPU named (the GPU check).
 """
 
 from __future__ import annotations
@@ -202,11 +203,25 @@ def main() -> None:
     parser.add_argument("--sglang-journal", default=None, help="the stand-ins' journal file")
     parser.add_argument("--sglang-sync", default="tensor", help="the SGLang pool's weight sync method")
     parser.add_argument("--sglang-master-port", type=int, default=None, help="the distributed sync's rendezvous")
+    parser.add_argument(
+        "--sglang-gpus", type=int, nargs="+", default=None, help="real SGLang servers on these GPUs (the GPU check)"
+    )
     args = parser.parse_args()
 
     torch.manual_seed(0)
     objective = GRPOObjective(beta=0.04, dynamic_sampling=args.dynamic)
-    if args.sglang_port is not None:
+    if args.sglang_gpus is not None:  # SGLang itself, one server per GPU (the tiny model's head size: triton)
+        pool = SGLangRolloutPool(
+            launch={
+                "num_servers": len(args.sglang_gpus),
+                "gpu_ids": args.sglang_gpus,
+                "port": args.sglang_port,
+                "args": ["--attention-backend", "triton", "--disable-cuda-graph"],
+                "start_timeout_s": 300,
+            },
+            sync={"method": args.sglang_sync, "backend": "nccl", "master_port": args.sglang_master_port or 29650},
+        )
+    elif args.sglang_port is not None:
         standin = [sys.executable, str(Path(__file__).with_name("sglang_standin.py")), "--journal", args.sglang_journal]
         pool = SGLangRolloutPool(
             launch={"command": standin, "num_servers": 2, "port": args.sglang_port, "dtype": "float32"},

@@ -602,10 +602,17 @@ _ROOT_CHECK = textwrap.dedent(
     spec = importlib.util.find_spec("kernels")  # the precondition: our folder shadows the PyPI name here
     assert spec is not None and Path(spec.origin).resolve() == Path("kernels/__init__.py").resolve(), spec
 
+    import importlib.metadata
     import lit_parl
     from transformers import AutoModelForCausalLM, Qwen2ForCausalLM
     import transformers.utils.import_utils as u
-    assert not u.is_kernels_available()
+    import kernels
+    try:  # Hugging Face's hub-kernels package, a dependency of transformers from 5.25
+        importlib.metadata.version("kernels")
+    except importlib.metadata.PackageNotFoundError:
+        assert not u.is_kernels_available()  # our folder, which carries no version: taken for absent
+    else:  # our folder handed the import over to the installed package
+        assert Path(kernels.__file__).resolve() != Path("kernels/__init__.py").resolve(), kernels.__file__
 
     import torch
     model, tokenizer = lit_parl.tiny_qwen2()
@@ -632,6 +639,26 @@ def test_repo_root_does_not_break_transformers():
         timeout=180,
     )
     assert run.returncode == 0 and "ROOT OK" in run.stdout, run.stdout[-3000:] + run.stderr[-5000:]
+
+
+def test_from_the_repository_root_import_kernels_is_hugging_faces_package_when_installed(tmp_path):
+    """transformers 5.25 depends on Hugging Face's ``kernels`` and imports it as it initialises; from the repository
+    root our folder of that name comes first on the path and must hand the import over. A stand-in distribution of
+    that name (its metadata and package) is installed into a directory of its own for the check."""
+    site = tmp_path / "site"
+    (site / "kernels").mkdir(parents=True)
+    (site / "kernels" / "__init__.py").write_text('MARK = "hub"\n__version__ = "0.19.1"\n')
+    (site / "kernels-0.19.1.dist-info").mkdir()
+    (site / "kernels-0.19.1.dist-info" / "METADATA").write_text(
+        "Metadata-Version: 2.1\nName: kernels\nVersion: 0.19.1\n"
+    )
+    check = (
+        "import kernels, lit_parl.kernels as ours; "
+        "assert kernels.MARK == 'hub', kernels.__file__; assert ours.pack is not None; print('HANDED OVER')"
+    )
+    env = {**_root_env(), "PYTHONPATH": str(site)}
+    run = subprocess.run([sys.executable, "-c", check], cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0 and "HANDED OVER" in run.stdout, run.stdout[-3000:] + run.stderr[-5000:]
 
 
 def test_module_help_from_repo_root():
