@@ -123,6 +123,7 @@ class WeightSync(Callback):
         # (start, end) monotonic, one per epoch (SyncTimes); the last few only, so a long run holds the same
         self.sync_intervals: deque[tuple[float, float]] = deque(maxlen=SYNCS_KEPT)
         self._receiver: WeightReceiver | None = None
+        self._shared: SharedPush | None = None  # set at fit start when every rank reaches one receiver
         self._gate: IterationGate | None = None
         self._pushed_for_epoch: int | None = None
 
@@ -193,7 +194,7 @@ class WeightSync(Callback):
                 "subclass WeightSync and override `policy_tensors`.",
             )
         self._pushed_for_epoch = None
-        self._shared = None  # one push for every rank, when they all reach one receiver
+        self._shared = None
         if trainer.world_size > 1 and getattr(self._receiver, "shared_across_ranks", False):
             require(
                 self._receiver,

@@ -13,12 +13,11 @@ of two roles:
   takes it as this rank's confirmed version: the version gate then opens on the same weights on every rank.
 
 The collectives that carry the address and the outcome of each push between ranks are the trainer's
-(``lit_parl.data.shared_start`` at setup, ``lit_parl.callbacks.WeightSync`` at each iteration): a pool object
+(``lit_parl.data.pool_start`` at setup, ``lit_parl.callbacks.WeightSync`` at each iteration): a pool object
 never talks to another rank.
 
 Example, an in-memory pool standing for the servers (two ranks' pool objects in one process)::
 
-    >>> from lit_parl.rollout.records import GroupCompletions
     >>> SERVERS = {"version": None}
     >>> class Servers(SharedRolloutPool):
     ...     backend = "memory"
