@@ -76,3 +76,34 @@ def test_a_rank_trains_the_share_of_its_global_rank():
         data.teardown("fit")
     assert data.share.rank == 1
     assert trained == RankShare(data.shape, world=2, rank=1).slots == [2, 3, 6, 7]
+
+
+def test_under_two_ranks_a_shared_pool_is_joined_at_rank_0s_address_not_started_again():
+    """Rank 1's datamodule with a pool every rank reaches (SGLang servers) joins the pool rank 0 started, at the
+    address rank 0 broadcast; it never starts one of its own (the servers would be launched twice)."""
+
+    class Servers(InProcessPool):
+        shared_across_ranks = True
+
+        def join(self, spec, address):
+            self.joined_at = address
+
+    pool = Servers()
+    module, data = make_components(pool=pool, prompts=8, group_size=4, micro_batch_size=4, mini_batches=2)
+    said = {"urls": ["http://rank0:30000"], "router": None}
+    collectives = SimpleNamespace(broadcast=lambda obj, src=0: said, reduce_boolean_decision=lambda d, all=True: d)
+    data.trainer = SimpleNamespace(
+        world_size=2,
+        global_rank=1,
+        local_rank=1,
+        node_rank=0,
+        accelerator=CPUAccelerator(),
+        precision="32-true",
+        loggers=[],
+        strategy=collectives,
+    )
+    data.setup("fit")
+    try:
+        assert getattr(pool, "joined_at", None) == said and not pool.health().started
+    finally:
+        data.teardown("fit")

@@ -109,18 +109,6 @@ def test_the_strategy_settings_lit_parl_cannot_run_under_are_refused_with_the_on
         prepare(strategy)
 
 
-def test_a_pool_shared_by_every_rank_is_refused_under_two_ranks():
-    from helpers.components import make_components
-    from helpers.pools import InProcessPool
-
-    class SharedPool(InProcessPool):
-        shared_across_ranks = True
-
-    _, datamodule = make_components(pool=SharedPool())
-    with pytest.raises(ValueError, match="SharedPool is one pool for all ranks.*pool=hf or pool=vllm"):
-        datamodule._setup_ranks(2, 0)
-
-
 @pytest.mark.parametrize(
     "preset, expected",
     [
