@@ -107,8 +107,10 @@ def test_a_killed_rank_ends_the_run_and_stops_the_servers(tmp_path, rank):
     """Rank ``rank`` is SIGKILLed when iteration 1 starts; the servers rank 0 launched must not outlive the run."""
     args = command(tmp_path, "ddp", "--die", str(rank))
     port = int(args[args.index("--sglang-port") + 1])
+    # a SIGKILLed rank cannot remove its temporary directories: they go under the test's own, not /tmp
+    env = {**os.environ, "TMPDIR": str(tmp_path)}
     process = subprocess.Popen(
-        args, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
+        args, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
     )
     try:
         output, _ = process.communicate(timeout=300)

@@ -187,8 +187,10 @@ def test_a_killed_rank_ends_the_whole_run_and_leaves_no_process(tmp_path, rank):
     """Each rank has a pool of worker processes; rank ``rank`` is SIGKILLed when iteration 1 starts."""
     devices = ["--devices", "2"]
     command = [sys.executable, str(SCRIPT), "--strategy", "ddp", *devices, "--out", str(tmp_path), "--die", str(rank)]
+    # a SIGKILLed rank cannot remove its temporary directories: they go under the test's own, not /tmp
+    env = {**os.environ, "TMPDIR": str(tmp_path)}
     process = subprocess.Popen(
-        command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
+        command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
     )
     try:
         output, _ = process.communicate(timeout=180)
