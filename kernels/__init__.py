@@ -22,14 +22,14 @@ def _hub_kernels_origin() -> str | None:
     return origin if os.path.isfile(origin) and os.path.abspath(origin) != os.path.abspath(__file__) else None
 
 
-if __name__ == "kernels" and _hub_kernels_origin() is not None:
-    # imported as a top-level package from the repository root: the import system returns sys.modules["kernels"]
-    # once this file has run, so replacing it there hands the importer Hugging Face's package
+_origin = _hub_kernels_origin() if __name__ == "kernels" else None  # imported as a top-level package
+if _origin is not None:
+    # from the repository root: the import system returns sys.modules["kernels"] once this file has run, so
+    # replacing it there hands the importer Hugging Face's package
     import importlib.util
     import os
     import sys
 
-    _origin = _hub_kernels_origin()
     _spec = importlib.util.spec_from_file_location(
         "kernels", _origin, submodule_search_locations=[os.path.dirname(_origin)]
     )
