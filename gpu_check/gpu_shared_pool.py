@@ -14,17 +14,13 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
-import json
 import socket
-import subprocess
 import sys
 from pathlib import Path
 
 import torch
+from gpu_fits import against_one_device, run_fit
 from gpu_records import log
-
-ROOT = Path(__file__).resolve().parent.parent
-SCRIPT = ROOT / "tests" / "helpers" / "distributed_fit.py"
 
 
 def free_port() -> int:
@@ -34,20 +30,8 @@ def free_port() -> int:
 
 
 def run(out: Path, strategy: str, devices: int, method: str) -> dict:
-    command = [
-        *(sys.executable, str(SCRIPT), "--strategy", strategy, "--devices", str(devices), "--accelerator", "gpu"),
-        *("--out", str(out), "--sglang-gpus", "2", "--sglang-port", str(free_port()), "--sglang-sync", method),
-        *("--sglang-master-port", str(free_port())),
-    ]
-    try:
-        result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=150)
-    except subprocess.TimeoutExpired:
-        return {"error": "did not finish in 150 s"}
-    if result.returncode != 0:
-        return {"error": result.stderr[-3000:]}
-    ranks = [json.loads(p.read_text()) for p in sorted(out.glob("rank*.json"))]
-    samples = sorted(tuple(s) for r in ranks for s in r["samples"])
-    return {"policy": torch.load(out / "policy.pt"), "samples": samples, "shares": [len(r["samples"]) for r in ranks]}
+    flags = ("--sglang-gpus", "2", "--sglang-port", str(free_port()), "--sglang-sync", method)
+    return run_fit(out, strategy, devices, *flags, "--sglang-master-port", str(free_port()), timeout=150)
 
 
 def main() -> None:
@@ -72,23 +56,10 @@ def main() -> None:
             log(records, {"check": f"shared_sglang_pool_{method}", "status": "FAILED", "error": error})
             failed = True
             continue
-        worst = max(
-            float((ddp["policy"][k] - v).abs().max() / v.abs().max().clamp(min=1e-12))
-            for k, v in single["policy"].items()
-        )
-        same_samples = ddp["samples"] == single["samples"] and len(set(ddp["samples"])) == len(ddp["samples"])
-        ok = worst <= 1e-4 and same_samples
+        figures = against_one_device(single, ddp)
+        ok = figures.pop("ok")
         failed |= not ok
-        log(
-            records,
-            {
-                "check": f"shared_sglang_pool_{method}",
-                "status": "ok" if ok else "FAILED",
-                "max_rel_diff_from_one_device": worst,
-                "shares": ddp["shares"],
-                "every_sample_once_as_one_device": same_samples,
-            },
-        )
+        log(records, {"check": f"shared_sglang_pool_{method}", "status": "ok" if ok else "FAILED", **figures})
     sys.exit(1 if failed else 0)
 
 

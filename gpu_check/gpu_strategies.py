@@ -15,43 +15,12 @@ Usage: python gpu_check/gpu_strategies.py --out DIR     (called by gpu_check/gpu
 from __future__ import annotations
 
 import argparse
-import json
-import subprocess
 import sys
 from pathlib import Path
 
 import torch
+from gpu_fits import against_one_device, run_fit
 from gpu_records import log
-
-ROOT = Path(__file__).resolve().parent.parent
-SCRIPT = ROOT / "tests" / "helpers" / "distributed_fit.py"
-
-
-def run(out: Path, strategy: str, devices: int) -> dict:
-    command = [
-        sys.executable,
-        str(SCRIPT),
-        "--strategy",
-        strategy,
-        "--devices",
-        str(devices),
-        "--accelerator",
-        "gpu",
-        "--out",
-        str(out),
-    ]
-    try:
-        result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=120)
-    except subprocess.TimeoutExpired:
-        return {"error": "did not finish in 120 s"}
-    if result.returncode != 0:
-        return {"error": result.stderr[-3000:]}
-    ranks = [json.loads(p.read_text()) for p in sorted(out.glob("rank*.json"))]
-    return {
-        "policy": torch.load(out / "policy.pt"),
-        "samples": sorted(tuple(s) for r in ranks for s in r["samples"]),
-        "shares": [len(r["samples"]) for r in ranks],
-    }
 
 
 def main() -> None:
@@ -66,13 +35,13 @@ def main() -> None:
         return
     world = 2 if gpus >= 2 else 1
     note = None if world == 2 else "one GPU: world size 1, so sharding and the rank split were NOT exercised"
-    single = run(out / "single", "single", 1)
+    single = run_fit(out / "single", "single", 1)
     if "error" in single:
         log(records, {"check": "strategy_single", "status": "FAILED", "error": single["error"]})
         sys.exit(1)
     failed = False
     for strategy in ("ddp", "fsdp2", "fsdp", "deepspeed2", "deepspeed3"):
-        result = run(out / strategy, strategy, world)
+        result = run_fit(out / strategy, strategy, world)
         if "error" in result:
             log(
                 records,
@@ -80,25 +49,11 @@ def main() -> None:
             )
             failed = True
             continue
-        worst = max(
-            float((result["policy"][k] - v).abs().max() / v.abs().max().clamp(min=1e-12))
-            for k, v in single["policy"].items()
-        )
-        same_samples = result["samples"] == single["samples"] and len(set(result["samples"])) == len(result["samples"])
-        ok = worst <= 1e-4 and same_samples
+        figures = against_one_device(single, result)
+        ok = figures.pop("ok")
         failed |= not ok
-        log(
-            records,
-            {
-                "check": f"strategy_{strategy}",
-                "status": "ok" if ok else "FAILED",
-                "world_size": world,
-                "note": note,
-                "max_rel_diff_from_one_device": worst,
-                "shares": result["shares"],
-                "every_sample_once_as_one_device": same_samples,
-            },
-        )
+        status = "ok" if ok else "FAILED"
+        log(records, {"check": f"strategy_{strategy}", "status": status, "world_size": world, "note": note, **figures})
     sys.exit(1 if failed else 0)
 
 

@@ -44,12 +44,11 @@ def test_the_gpu_check_runs_its_cpu_parts_and_writes_one_json(tmp_path):
     assert not report["summary"]["FAILED"]
 
 
-@pytest.mark.parametrize("section", ["gpu_strategies", "gpu_shared_pool"])
-def test_the_fit_script_a_gpu_section_runs_exists(section, monkeypatch):
-    """These sections run tests/helpers/distributed_fit.py on the GPUs: a path left behind by a move of the tests
-    fails only on a GPU machine, where each run then ends in "no such file"."""
-    monkeypatch.syspath_prepend(str(ROOT / "gpu_check"))  # the sections import gpu_records as the script does
-    spec = importlib.util.spec_from_file_location(section, ROOT / "gpu_check" / f"{section}.py")
+def test_the_fit_script_the_gpu_sections_run_exists(monkeypatch):
+    """gpu_strategies and gpu_shared_pool run tests/helpers/distributed_fit.py (gpu_check/gpu_fits.py names it): a
+    path left behind by a move of the tests fails only on a GPU machine, where each run ends in "no such file"."""
+    monkeypatch.syspath_prepend(str(ROOT / "gpu_check"))
+    spec = importlib.util.spec_from_file_location("gpu_fits", ROOT / "gpu_check" / "gpu_fits.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     assert module.SCRIPT.is_file(), module.SCRIPT
