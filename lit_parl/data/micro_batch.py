@@ -6,6 +6,8 @@ prompt once) or padded (one row per completion), as ``Packing`` says.
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -70,6 +72,17 @@ class MicroBatch:
     @property
     def completion_mask(self) -> torch.Tensor:
         return self.tokens.completion_mask
+
+    def to_device(self, device: torch.device, move: Callable[[MicroBatch], MicroBatch]) -> MicroBatch:
+        """This batch on ``device`` by ``move`` (Lightning's walk over its tensors); itself when already there.
+
+        Batches are built on the CPU: training there skips the walk (measured at ~5 ms per step on the default
+        job, about a fifth of a step). The trajectories (for logs, on the CPU) are kept out of the walk."""
+        if self.advantages.device == device:
+            return self
+        moved = move(dataclasses.replace(self, trajectories=[]))
+        moved.trajectories = self.trajectories
+        return moved
 
 
 PACKING_MODES = ("auto", "shared_prompt", "padded")

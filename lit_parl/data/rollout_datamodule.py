@@ -3,16 +3,15 @@
 ``train_dataloader()`` yields the current iteration's micro-batches as the pool's groups finish
 (``mode="async"``), or only after the whole iteration has been generated (``mode="sync"``, the
 colocated baseline). The datamodule wires the data path's parts (``PromptSchedule``, ``VersionGate``,
-``IterationStart``, ``GroupScorer``, ``GroupAcceptor``, ``IterationBatcher``, ``Evaluator``, ``RankShare``,
-``ResumePoint``: one job each, docs/design.md) and owns the pool's lifecycle (started in ``setup``, closed
-in ``teardown`` or when the fit fails).
+``IterationLauncher``, ``IterationStart``, ``GroupScorer``, ``GroupAcceptor``, ``IterationBatcher``, ``Evaluator``,
+``RankShare``, ``ResumePoint``: one job each, docs/design.md) and owns the pool's lifecycle (started in
+``setup``, closed in ``teardown`` or when the fit fails).
 
 In use: the README's "Components without the CLI" script (run as a script by ``tests/system/test_readme.py``).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import time
 import warnings
 from collections import deque
@@ -25,13 +24,12 @@ from transformers import AutoConfig, PreTrainedModel, PreTrainedTokenizerBase
 
 from lit_parl.data.argument_checks import check_arguments
 from lit_parl.data.evaluator import EvalSettings, Evaluator
-from lit_parl.data.group_acceptor import Advantages, GroupAcceptor
+from lit_parl.data.group_acceptor import Advantages
 from lit_parl.data.group_scorer import GroupScorer
-from lit_parl.data.head_start import HeadStart
 from lit_parl.data.initial_model_dir import InitialModelDir
-from lit_parl.data.iteration_batcher import IterationBatcher
+from lit_parl.data.iteration_launcher import IterationLauncher
 from lit_parl.data.iteration_shape import IterationShape
-from lit_parl.data.iteration_start import IterationStart, Started
+from lit_parl.data.iteration_start import IterationStart
 from lit_parl.data.iteration_stats import IterationStats
 from lit_parl.data.iteration_streams import EvalStream, IterationStream
 from lit_parl.data.micro_batch import MicroBatch, Packing
@@ -40,13 +38,12 @@ from lit_parl.data.prompt_schedule import PromptSchedule
 from lit_parl.data.rank_share import RankShare, SlotExchange
 from lit_parl.data.resume_point import ResumePoint
 from lit_parl.data.version_gate import VersionGate
-from lit_parl.errors import OffPolicyError
 from lit_parl.models.limits import context_length
 from lit_parl.prompts.prompt_format import PromptFormat
 from lit_parl.prompts.prompt_row import PromptSource
 from lit_parl.rewards.scoring_policy import ScoringPolicy
 from lit_parl.rollout.records import SamplingParams
-from lit_parl.rollout.rollout_pool import PoolSpec, RolloutPool, widened_for_trainer
+from lit_parl.rollout.rollout_pool import PoolSpec, RolloutPool
 from lit_parl.settings import as_settings
 
 HISTORY_KEPT = 64  # iterations whose IterationStats stay in `history` (callbacks read the last one)
@@ -149,8 +146,9 @@ class RolloutDataModule(LightningDataModule):
         # Lightning warns that a mid-epoch resume is unreliable: this one is exact (the stream skips what was trained)
         warnings.filterwarnings("ignore", message=r"You're resuming from a checkpoint that ended before the epoch")
         self.history: deque[IterationStats] = deque(maxlen=HISTORY_KEPT)  # the last few: a long run holds the same
-        self._use_prefetch = bool(prefetch)
-        self.start = IterationStart(self.gate, self._start_iteration)  # the opened iteration, before its stream
+        self.prefetching = bool(prefetch)
+        self.launcher = IterationLauncher(self)  # builds and starts one iteration from the parts above
+        self.start = IterationStart(self.gate, self.launcher)  # the opened iteration, before its stream
         self._model_dir = InitialModelDir(initial_model, tokenizer)  # what the pool's engines start from
 
     # -- Lightning hooks -------------------------------------------------------------------------------
@@ -158,7 +156,7 @@ class RolloutDataModule(LightningDataModule):
         if stage != "fit":
             return
         on_cpu = self.trainer is None or isinstance(self.trainer.accelerator, CPUAccelerator)
-        self._use_prefetch = (not on_cpu) if self.prefetch is None else self.prefetch
+        self.prefetching = (not on_cpu) if self.prefetch is None else self.prefetch
         if self.trainer is not None and self.trainer.world_size > 1:
             self._setup_ranks(self.trainer.world_size, self.trainer.global_rank)
         colocated = self.mode == "sync"
@@ -179,7 +177,7 @@ class RolloutDataModule(LightningDataModule):
         self.share = RankShare(self.shape, world, rank)
         if getattr(self.objective, "dynamic_sampling", False):
             self.slots = SlotExchange(world)
-            self._use_prefetch = True  # the exchange runs in the prefetch thread, apart from the gradient's
+            self.prefetching = True  # the exchange runs in the prefetch thread, apart from the gradient's
 
     def teardown(self, stage: str) -> None:
         self._release()
@@ -188,16 +186,10 @@ class RolloutDataModule(LightningDataModule):
         self._release()  # a failed or interrupted fit skips teardown: the workers must not outlive it
 
     def transfer_batch_to_device(self, batch, device: torch.device, dataloader_idx: int):
-        # Micro-batches are built on the CPU; when training there, skip Lightning's generic walk over the
-        # nested layout (measured at ~5 ms per step on the default job, about a fifth of a step).
         if not isinstance(batch, MicroBatch):
             return super().transfer_batch_to_device(batch, device, dataloader_idx)
-        if batch.advantages.device == device:
-            return batch
-        trajectories = batch.trajectories  # for logs, on the CPU: kept out of the walk
-        moved = super().transfer_batch_to_device(dataclasses.replace(batch, trajectories=[]), device, dataloader_idx)
-        moved.trajectories = trajectories
-        return moved
+        walk = super().transfer_batch_to_device  # Lightning's walk over the batch's tensors
+        return batch.to_device(device, lambda tensors: walk(tensors, device, dataloader_idx))
 
     def train_dataloader(self) -> DataLoader:
         return DataLoader(IterationStream(self), batch_size=None, num_workers=0, collate_fn=lambda batch: batch)
@@ -234,45 +226,6 @@ class RolloutDataModule(LightningDataModule):
         self.start.open(version, confirmed=self.pool.version)
 
     # -- one iteration ---------------------------------------------------------------------------------
-    def batcher(self) -> IterationBatcher:
-        correct = self.correct_reward
-        acceptor = GroupAcceptor(
-            self.objective, self.shape.group_size, self.sampling.max_new_tokens, lambda reward: reward >= correct
-        )
-        return IterationBatcher(
-            self.share,
-            self.schedule,
-            self.pool,
-            self.scorer,
-            acceptor,
-            self.sampling,
-            self.packing,
-            self.tokenizer.pad_token_id,
-            materialize=self.mode == "sync",
-            dynamic_sampling=bool(getattr(self.objective, "dynamic_sampling", False)),
-            max_sampling_rounds=self.max_sampling_rounds,
-            logprob_tolerance=self.resolved_logprob_tolerance(),
-            open_slots_everywhere=self.slots.everywhere,
-        )
-
-    def resolved_logprob_tolerance(self) -> float | None:
-        """The on-policy check's bound: as configured, or the pool's widened for the trainer's precision and device."""
-        if self.logprob_tolerance != "auto":
-            return self.logprob_tolerance
-        if self.trainer is None:
-            return self.pool.logprob_tolerance()
-        on_accelerator = not isinstance(self.trainer.accelerator, CPUAccelerator)
-        return widened_for_trainer(self.pool.logprob_tolerance(), self.trainer.precision, on_accelerator)
-
-    def _start_iteration(self, version: int) -> Started:
-        """The iteration of ``version``, started in a thread, to its first micro-batch (prefetch: to its end)."""
-        if self.pool.version != version:
-            raise OffPolicyError(f"the gate opened version {version} but the pool holds version {self.pool.version}")
-        stats = IterationStats(version=version, requested_at=time.monotonic())
-        batches = self.batcher().micro_batches(version, stats)
-        head_start = HeadStart(batches, f"lit_parl-iteration-{version}", to_the_end=self._use_prefetch)
-        return Started(version, stats, head_start)
-
     def evaluate(self) -> dict[str, float]:
         """The held-out metrics when the iteration just trained is due (Lightning validates after each epoch)."""
         trainer = self.trainer

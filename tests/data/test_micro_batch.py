@@ -121,3 +121,4 @@ def test_micro_batch_transfer_skips_the_walk_on_its_own_device_and_moves_everyth
     moved = datamodule.transfer_batch_to_device(batch, torch.device("meta"), 0)
     assert moved.advantages.is_meta and moved.tokens.input_ids.is_meta
     assert moved.tokens.attention.segment_ids.is_meta and moved.tokens.attention.buckets[0].allowed.is_meta
+    assert moved.trajectories is batch.trajectories and moved.trajectories  # the logs' records stay on the CPU

@@ -65,7 +65,7 @@ def test_prefetch_is_off_by_default_when_training_on_the_cpu():
     module, data = make_components()
     assert data.prefetch is None
     fit(module, data, iterations=1)
-    assert data._use_prefetch is False
+    assert data.prefetching is False
 
 
 def test_the_next_iterations_prompts_are_tokenized_ahead_and_equal_on_demand_tokenization():

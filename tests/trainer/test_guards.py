@@ -52,17 +52,17 @@ def test_the_tolerance_comes_from_the_pool_and_widens_for_a_low_precision_traine
     from lightning.pytorch.accelerators import CPUAccelerator, CUDAAccelerator
 
     module, data = make_components(pool=_pool())
-    assert data.resolved_logprob_tolerance() == HFRolloutPool().logprob_tolerance() < 1e-3
+    assert data.launcher.logprob_tolerance() == HFRolloutPool().logprob_tolerance() < 1e-3
     data.trainer = SimpleNamespace(precision="32-true", accelerator=CPUAccelerator())
-    assert data.resolved_logprob_tolerance() == HFRolloutPool().logprob_tolerance()
+    assert data.launcher.logprob_tolerance() == HFRolloutPool().logprob_tolerance()
     data.trainer = SimpleNamespace(precision="bf16-mixed", accelerator=CPUAccelerator())
-    assert data.resolved_logprob_tolerance() == BF16_LOGPROB_TOLERANCE
+    assert data.launcher.logprob_tolerance() == BF16_LOGPROB_TOLERANCE
     data.trainer = SimpleNamespace(
         precision="32-true", accelerator=CUDAAccelerator()
     )  # not measured there: bf16's bound
-    assert data.resolved_logprob_tolerance() == BF16_LOGPROB_TOLERANCE
+    assert data.launcher.logprob_tolerance() == BF16_LOGPROB_TOLERANCE
     data.logprob_tolerance = 0.3
-    assert data.resolved_logprob_tolerance() == 0.3
+    assert data.launcher.logprob_tolerance() == 0.3
     with pytest.raises(ValueError, match=r"logprob_tolerance=-1\): give a number > 0"):
         RolloutDataModule(
             CopyTask(),
