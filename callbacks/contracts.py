@@ -100,13 +100,16 @@ class WeightReceiver(Protocol):
 @runtime_checkable
 class SharedWeightReceiver(Protocol):
     """A receiver every rank reaches (``shared_across_ranks``: SGLang servers): rank 0 pushes, and every other
-    rank's object then takes the version the push left on it (``lit_parl.rollout.shared_pool``)."""
+    rank's object then takes the version the push left on it, on the engines at rank 0's ``address()``
+    (``lit_parl.rollout.shared_pool``)."""
 
     shared_across_ranks: bool
 
     def sync_weights(self, buckets: Iterable[WeightBucket], version: int) -> None: ...
 
-    def adopt_version(self, version: int) -> None: ...
+    def address(self) -> dict: ...
+
+    def adopt_version(self, version: int, address: dict | None) -> None: ...
 
 
 @runtime_checkable

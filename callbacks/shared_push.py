@@ -16,9 +16,11 @@ class SharedPush:
     FSDP1's unit by unit, ZeRO-3's gathered parameters): rank 0 hands them to the receiver, the other ranks
     drop each bucket once read, so the extra memory stays one bucket. Whatever rank 0's receiver left unread
     (it failed half-way) is read too, so no rank is left inside a gather. Then one broadcast carries rank 0's
-    outcome; each other rank, on success, takes the version from the receiver (``adopt_version``: its view of
-    the servers checks that they report it). One reduction tells every rank whether every rank holds it, and
-    a failure anywhere raises on every rank: none is left waiting in the trainer's next collective.
+    outcome: on success the receiver's ``address()`` (the servers it pushed to, which may change at a push),
+    else why it failed; each other rank, on success, takes the version from the receiver
+    (``adopt_version(version, address)``: its view follows those servers and checks that they report it). One
+    reduction tells every rank whether every rank holds it, and a failure anywhere raises on every rank: none
+    is left waiting in the trainer's next collective.
 
     Args:
         strategy: the trainer's strategy: its ``broadcast`` and ``reduce_boolean_decision`` are the collectives.
@@ -30,7 +32,8 @@ class SharedPush:
         >>> class Servers:
         ...     shared_across_ranks = True
         ...     def sync_weights(self, buckets, version): self.names = [n for b in buckets for n, _ in b]
-        ...     def adopt_version(self, version): pass
+        ...     def address(self): return {"urls": ["http://infer1:30000"]}
+        ...     def adopt_version(self, version, address): pass
         >>> servers = Servers()
         >>> SharedPush(SingleDeviceStrategy("cpu"), rank=0).push(servers, iter([[("w", None)], [("b", None)]]), 0)
         >>> servers.names
@@ -51,16 +54,20 @@ class SharedPush:
                 failure = error
         for _ in buckets:  # the rest of the reads (all of them off rank 0): each may be a collective
             pass
-        said = self.strategy.broadcast(None if failure is None else f"{type(failure).__name__}: {failure}", src=0)
-        if said is None and self.rank != 0:
+        outcome = None
+        if self.rank == 0:
+            outcome = receiver.address() if failure is None else f"{type(failure).__name__}: {failure}"
+        said = self.strategy.broadcast(outcome, src=0)  # the address, or why the push failed
+        failed_at_0 = isinstance(said, str)
+        if not failed_at_0 and self.rank != 0:
             try:
-                receiver.adopt_version(version)
+                receiver.adopt_version(version, said)
             except BaseException as error:  # noqa: BLE001 - counted below, then raised
                 failure = error
-        everyone = self.strategy.reduce_boolean_decision(failure is None and said is None, all=True)
+        everyone = self.strategy.reduce_boolean_decision(failure is None and not failed_at_0, all=True)
         if failure is not None:
             raise failure
-        if said is not None:
+        if failed_at_0:
             raise RuntimeError(f"rank 0 could not push version {version} to the shared pool: {said}")
         if not everyone:
             raise RuntimeError(

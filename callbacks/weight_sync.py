@@ -201,7 +201,8 @@ class WeightSync(Callback):
                 SharedWeightReceiver,
                 owner="WeightSync",
                 role="its receiver, which says every rank reaches it (shared_across_ranks)",
-                fix="Give it `adopt_version(version)`, which the ranks that did not push call, or set "
+                fix="Give it `address()` (rank 0's, after each push) and `adopt_version(version, address)`, which the "
+                "ranks that did not push call, or set "
                 "shared_across_ranks=False so that each rank pushes to its own receiver.",
             )
             self._shared = SharedPush(trainer.strategy, trainer.global_rank)

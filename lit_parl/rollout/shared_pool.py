@@ -9,8 +9,9 @@ of two roles:
   they are, ``sync_weights`` pushes each iteration's weights, ``close`` stops what it launched;
 - **a rank that joined it**: ``join(spec, address)`` attaches to the same servers without launching
   anything; it never pushes weights (``sync_weights`` is refused) and never stops a server. Once the servers
-  confirmed the weights rank 0 pushed, ``adopt_version`` checks that each server reports that version and
-  takes it as this rank's confirmed version: the version gate then opens on the same weights on every rank.
+  confirmed the weights rank 0 pushed, ``adopt_version`` follows the servers rank 0 pushed to (its ``address``
+  after the push: servers may join and leave at a push) and checks that each reports that version, then takes
+  it as this rank's confirmed version: the version gate then opens on the same weights on every rank.
 
 The collectives that carry the address and the outcome of each push between ranks are the trainer's
 (``lit_parl.data.pool_start`` at setup, ``lit_parl.callbacks.WeightSync`` at each iteration): a pool object
@@ -25,7 +26,7 @@ Example, an in-memory pool standing for the servers (two ranks' pool objects in 
     ...     def _join(self, spec, address): assert address == {"at": "memory"}
     ...     def _address(self): return {"at": "memory"}
     ...     def _sync_weights(self, buckets, version): SERVERS["version"] = version
-    ...     def _adopt_version(self, version): assert SERVERS["version"] == version
+    ...     def _adopt_version(self, version, address): assert SERVERS["version"] == version
     ...     def _generate(self, requests, sampling): return iter(())
     ...     def _worker_counts(self): return (1, 1)
     ...     def _close(self): pass
@@ -33,7 +34,7 @@ Example, an in-memory pool standing for the servers (two ranks' pool objects in 
     >>> first, second = Servers(), Servers()
     >>> first.start(spec); second.join(spec, first.address())
     >>> first.sync_weights([[("w", torch.zeros(1))]], version=0)
-    >>> second.adopt_version(0)
+    >>> second.adopt_version(0, first.address())
     >>> first.version, second.version, second.joined
     (0, 0, True)
     >>> second.sync_weights([[("w", torch.zeros(1))]], version=1)
@@ -72,8 +73,9 @@ class SharedRolloutPool(RolloutPool):
         """Attach to the engines at ``address`` without starting or owning any; return once they answer."""
 
     @abstractmethod
-    def _adopt_version(self, version: int) -> None:
-        """Return once every live engine reports ``version`` (pushed by another rank); raise otherwise."""
+    def _adopt_version(self, version: int, address: dict | None) -> None:
+        """Drive the engines at ``address`` (``None``: those driven now), then return once every live one reports
+        ``version`` (pushed by another rank); raise otherwise."""
 
     # -- what the trainer calls ------------------------------------------------------------------------
     @final
@@ -97,11 +99,12 @@ class SharedRolloutPool(RolloutPool):
             raise
 
     @final
-    def adopt_version(self, version: int) -> None:
-        """Hold ``version``, which the starting rank pushed and the engines confirmed, as this rank's version."""
+    def adopt_version(self, version: int, address: dict | None = None) -> None:
+        """Hold ``version``, which the starting rank pushed and the engines at its ``address`` (``None``: the same
+        as before) confirmed, as this rank's version."""
         self._require_started("adopt_version")
         if not self.joined:
             raise RuntimeError(f"this {type(self).__name__} pushed the weights itself: it holds their version")
         self._version = None
-        self._adopt_version(version)
+        self._adopt_version(version, address)
         self._version = version

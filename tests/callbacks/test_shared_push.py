@@ -48,10 +48,13 @@ class Receiver:
                 raise ConnectionError("server gone")
             self.taken += [name for name, _ in bucket]
 
-    def adopt_version(self, version):
+    def address(self):
+        return {"urls": ["http://infer1:30000"]}
+
+    def adopt_version(self, version, address):
         if self.adopt_fails:
             raise RuntimeError("servers report version 0")
-        self.adopted.append(version)
+        self.adopted.append((version, address))
 
 
 def buckets(read: list[str]):
@@ -61,13 +64,15 @@ def buckets(read: list[str]):
         yield [(name, None)]
 
 
-def test_rank_0_pushes_and_the_others_adopt():
-    receiver, read = Receiver(), []
-    SharedPush(Collectives(rank=0), rank=0).push(receiver, buckets(read), 3)
+def test_rank_0_pushes_and_the_others_adopt_on_the_servers_rank_0_pushed_to():
+    receiver, read, collectives = Receiver(), [], Collectives(rank=0)
+    SharedPush(collectives, rank=0).push(receiver, buckets(read), 3)
     assert receiver.taken == ["a", "b", "c"] and receiver.adopted == [] and read == ["a", "b", "c"]
+    assert collectives.broadcast_sent == [{"urls": ["http://infer1:30000"]}], "rank 0 says where it pushed"
     other, read = Receiver(), []
-    SharedPush(Collectives(rank=1), rank=1).push(other, buckets(read), 3)
-    assert other.taken == [] and other.adopted == [3]
+    address = {"urls": ["http://infer1:30000", "http://infer2:30000"]}
+    SharedPush(Collectives(rank=1, said=address), rank=1).push(other, buckets(read), 3)
+    assert other.taken == [] and other.adopted == [(3, address)]
     assert read == ["a", "b", "c"], "a rank that does not push must still read every bucket (the gathers)"
 
 

@@ -3,7 +3,8 @@ this file again. Each rank writes what it trained, what its pool received and th
 
     python tests/helpers/distributed_fit.py --strategy ddp --devices 2 --out DIR [--mode sync] [--dynamic] [--die RANK]
         [--clip NORM] [--nan-prompt ID] [--save-every-step DIR] [--resume CKPT] [--eval]
-        [--sglang-port PORT --sglang-journal FILE [--sglang-sync METHOD] [--sglang-gpus GPU ...]]
+        [--sglang-port PORT --sglang-journal FILE [--sglang-sync METHOD] [--sglang-gpus GPU ...]
+         [--sglang-membership FILE [--sglang-join-at ITERATION LINE]]]
 
 ``--strategy`` is one of single (the one-process run on the same global batch), ddp, fsdp2, fsdp (FSDP1) and
 deepspeed2/deepspeed3 (ZeRO stages); on the CPU, fsdp and deepspeed go through the subclasses below that lift
@@ -12,6 +13,9 @@ real worker-process pool, to check that the run ends. ``--sglang-port`` trains f
 every rank: rank 0 launches two stand-in servers (``tests/helpers/sglang_standin.py``) on PORT and PORT + 1,
 which write what they load and sample to the journal; ``--sglang-sync`` is the weight sync's method;
 ``--sglang-gpus`` launches SGLang itself instead, one server per GPU named (the GPU check).
+``--sglang-per-rank`` gives each rank servers of its own instead (one each, on PORT + 2 x rank), pushed to by
+that rank. ``--sglang-membership`` is the pool's membership file; ``--sglang-join-at`` adds a line to it during the
+iteration before the one named, so that the server joins at that iteration's push.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ import json
 import os
 import signal
 import sys
+import time
 from pathlib import Path
 
 import lightning
@@ -96,6 +101,48 @@ class DieAt(Callback):
     def on_train_epoch_start(self, trainer, pl_module):
         if trainer.current_epoch == 1 and trainer.global_rank == self.rank:
             os.kill(os.getpid(), signal.SIGKILL)
+
+
+class JoinAt(Callback):
+    """Rank 0 adds ``url`` to the pool's membership file during iteration ``iteration - 1``: the server joins at
+    the push of iteration ``iteration``. The file is written whole and renamed into place, as a user should."""
+
+    def __init__(self, iteration: int, url: str, file: str) -> None:
+        self.iteration, self.url, self.file = iteration, url, Path(file)
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if trainer.current_epoch == self.iteration - 1 and batch_idx == 0 and trainer.global_rank == 0:
+            listed = self.file.read_text() if self.file.exists() else ""
+            draft = self.file.with_suffix(".draft")
+            draft.write_text(listed + f"{self.url}\n")
+            draft.replace(self.file)
+
+
+class PerRankSGLangPool(SGLangRolloutPool):
+    """SGLang servers of this rank's own, as an embedded pool is: each rank launches them and pushes to them (the
+    per-rank push the shared pool's benchmark compares with; ``--sglang-per-rank``)."""
+
+    shared_across_ranks = False
+
+
+class EpochEnds(Callback):
+    """When each iteration ended (monotonic seconds): the iteration times, past the first (the pool's start)."""
+
+    def __init__(self) -> None:
+        self.times: list[float] = []
+
+    def on_train_epoch_end(self, trainer, pl_module):
+        self.times.append(time.monotonic())
+
+
+class PoolMembers(Callback):
+    """The servers this rank's pool drives when training ends (before the pool is closed)."""
+
+    def __init__(self, pool) -> None:
+        self.pool, self.urls = pool, None
+
+    def on_train_end(self, trainer, pl_module):
+        self.urls = self.pool.health().details.get("urls")
 
 
 class CPUFSDPStrategy(lightning.pytorch.strategies.FSDPStrategy):
@@ -204,6 +251,13 @@ def main() -> None:
     parser.add_argument("--sglang-sync", default="tensor", help="the SGLang pool's weight sync method")
     parser.add_argument("--sglang-master-port", type=int, default=None, help="the distributed sync's rendezvous")
     parser.add_argument(
+        "--sglang-per-rank", action="store_true", help="each rank launches and pushes to servers of its own"
+    )
+    parser.add_argument("--sglang-membership", default=None, help="the SGLang pool's membership file")
+    parser.add_argument(
+        "--sglang-join-at", nargs=2, default=None, metavar=("ITERATION", "LINE"), help="add LINE to the file then"
+    )
+    parser.add_argument(
         "--sglang-gpus", type=int, nargs="+", default=None, help="real SGLang servers on these GPUs (the GPU check)"
     )
     args = parser.parse_args()
@@ -223,8 +277,16 @@ def main() -> None:
         )
     elif args.sglang_port is not None:
         standin = [sys.executable, str(Path(__file__).with_name("sglang_standin.py")), "--journal", args.sglang_journal]
-        pool = SGLangRolloutPool(
-            launch={"command": standin, "num_servers": 2, "port": args.sglang_port, "dtype": "float32"},
+        per_rank = args.sglang_per_rank
+        rank = int(os.environ.get("LOCAL_RANK", 0))  # set in the processes Lightning starts; 0 in this one
+        pool = (PerRankSGLangPool if per_rank else SGLangRolloutPool)(
+            launch={
+                "command": standin,
+                "num_servers": 2 // args.devices if per_rank else 2,  # two servers in all, either way
+                "port": args.sglang_port + 2 * rank if per_rank else args.sglang_port,
+                "dtype": "float32",
+            },
+            servers={"membership_file": args.sglang_membership},
             sync={"method": args.sglang_sync, "backend": "gloo", "master_port": args.sglang_master_port or 29650},
         )
     elif args.die is not None:
@@ -242,11 +304,15 @@ def main() -> None:
         **{**sgd(0.5, momentum=0.5), "max_grad_norm": args.clip},
         datamodule_kwargs={"evaluation": {"every_n_iterations": 1, "prompts": 4}} if args.eval else None,
     )
-    recorder, norms = BatchRecorder(), GradNorms()
-    callbacks = [WeightSync(), recorder, norms, HFExport(dirpath=str(Path(args.out) / "export"))] + (
+    recorder, norms, sync = BatchRecorder(), GradNorms(), WeightSync()
+    callbacks = [sync, recorder, norms, HFExport(dirpath=str(Path(args.out) / "export"))] + (
         [DieAt(args.die)] if args.die is not None else []
     )
     callbacks += [PoisonPrompt(args.nan_prompt)] if args.nan_prompt is not None else []
+    members, epoch_ends = PoolMembers(pool), EpochEnds()
+    callbacks += [members, epoch_ends]
+    if args.sglang_join_at:
+        callbacks.append(JoinAt(int(args.sglang_join_at[0]), args.sglang_join_at[1], args.sglang_membership))
     if args.save_every_step:
         callbacks.append(
             ModelCheckpoint(dirpath=args.save_every_step, filename="{step}", every_n_train_steps=1, save_top_k=-1)
@@ -263,7 +329,9 @@ def main() -> None:
         enable_model_summary=False,
         num_sanity_val_steps=0,
     )
+    started = time.monotonic()
     trainer.fit(module, datamodule=datamodule, ckpt_path=args.resume)
+    fit_seconds = time.monotonic() - started
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -282,6 +350,10 @@ def main() -> None:
         "grad_norm": float(trainer.callback_metrics["grad_norm"]),  # the last iteration's, over every rank's gradient
         "grad_norms": norms.norms,
         "skipped_steps": module.guard.skipped_steps,
+        "pool_urls": members.urls,
+        "fit_seconds": fit_seconds,
+        "iteration_seconds": [b - a for a, b in zip(epoch_ends.times, epoch_ends.times[1:])],
+        "sync_seconds": [end - start for start, end in sync.sync_intervals],  # each push, as this rank spent it
         "val": {name: float(value) for name, value in trainer.callback_metrics.items() if name.startswith("val/")},
     }
     (out / f"rank{rank}.json").write_text(json.dumps(record))

@@ -40,11 +40,12 @@ Laxer than SGLang, known: a pause does not abort the request running (its defaul
 does); with ``n`` > 1 sample ``k`` uses ``sampling_seed + k`` (the pool sends one request per sample).
 
 Faults for the tests: ``--die-after-generates N`` exits abruptly while answering the (N+1)-th
-``/generate``; ``--malformed`` drops ``meta_info`` from answers; ``--stale-version`` accepts updates but
-keeps its weight version; ``--exit-at-start`` exits with code 3 before serving;
-``--refuse-distributed-updates`` answers ``/update_weights_from_distributed`` with a 400 without joining
-the broadcast. ``--journal FILE`` appends a JSON line per weight load (its version and tensors) and per
-sample (the version it was drawn with, its prompt and seed): what tests count across servers and clients.
+``/generate`` (of weight version V only, with ``--die-at-version V``); ``--malformed`` drops ``meta_info``
+from answers; ``--stale-version`` accepts updates but keeps its weight version; ``--exit-at-start`` exits
+with code 3 before serving; ``--refuse-distributed-updates`` answers ``/update_weights_from_distributed``
+with a 400 without joining the broadcast. ``--journal FILE`` appends a JSON line per weight load (its version
+and tensors) and per sample (the version it was drawn with, its prompt and seed): what tests count across
+servers and clients.
 """
 
 from __future__ import annotations
@@ -112,7 +113,8 @@ class StandIn:
         problem = generate_problem(body)
         if problem:
             return web.json_response({"error": {"message": problem}}, status=400)  # SGLang's answer to a ValueError
-        self.generates += 1
+        if self.args.die_at_version is None or self.weight_version == self.args.die_at_version:
+            self.generates += 1
         if self.args.die_after_generates is not None and self.generates > self.args.die_after_generates:
             os._exit(1)  # a crash mid-request: the client sees the connection drop
         await self.resumed.wait()
@@ -383,6 +385,7 @@ def main() -> None:
     parser.add_argument("--dtype", default="auto", choices=["auto", *DTYPES])
     parser.add_argument("--enable-deterministic-inference", action="store_true")
     parser.add_argument("--die-after-generates", type=int, default=None)
+    parser.add_argument("--die-at-version", default=None, help="count only /generate calls at this weight version")
     parser.add_argument("--malformed", action="store_true")
     parser.add_argument("--stale-version", action="store_true")
     parser.add_argument("--exit-at-start", action="store_true")

@@ -23,6 +23,8 @@ import pytest
 import torch
 
 from helpers.multi_process import assert_same_policy, free_port
+from helpers.sglang_pools import launch_standin, save_spec
+from lit_parl.models import tiny_qwen2
 
 pytestmark = pytest.mark.slow  # make test-slow: 2-process fits beside two stand-in servers
 
@@ -122,3 +124,47 @@ def test_a_killed_rank_ends_the_run_and_stops_the_servers(tmp_path, rank):
     while any(_listening(p) for p in (port, port + 1)) and time.monotonic() < deadline:
         time.sleep(0.5)
     assert not any(_listening(p) for p in (port, port + 1)), "a launched server outlived the run"
+
+
+def test_servers_that_join_and_fail_between_iterations_lose_and_duplicate_nothing(tmp_path):
+    """DDP, 6 iterations. Rank 0 launches two servers; a third, listed in the membership file from the start,
+    dies while answering its third sample of iteration 4; a fourth (capacity 2) is added to the file during
+    iteration 1 and joins at iteration 2's push. Both ranks must train exactly the undisturbed run's samples
+    and end on its weights (SGD); the joiner draws nothing before it holds θ_2; every rank ends driving the
+    same servers, the joiner among them and the dead one not."""
+    # disk: a tensor sync's shared-memory files keep torch's shm manager (which holds the run's output pipe) alive
+    # while an outside server that mapped them lives on
+    iterations = ("--iterations", "6", "--sglang-sync", "disk")
+    model_dir = tmp_path / "model"
+    save_spec(*tiny_qwen2(seed=0), model_dir)  # what the outside servers start from; θ_k arrives at each push
+    journal, listing = tmp_path / "elastic" / "journal", tmp_path / "servers.txt"
+    journal.parent.mkdir()
+    dying, dying_url = launch_standin(
+        model_dir, "--journal", str(journal), "--die-at-version", "4", "--die-after-generates", "2"
+    )
+    joiner, joiner_url = launch_standin(model_dir, "--journal", str(journal))
+    listing.write_text(f"{dying_url}\n")
+    try:
+        straight = run(tmp_path / "straight", "ddp", *iterations)
+        membership = ("--sglang-membership", str(listing), "--sglang-join-at", "2", f"{joiner_url} 2")
+        elastic = run(tmp_path / "elastic", "ddp", *iterations, *membership)
+    finally:
+        for process in (dying, joiner):
+            process.kill()
+            process.wait()
+    assert dying.returncode == 1, "the dying server did not die (it must fail mid-iteration 4)"
+    assert_same_policy(elastic["policy"], straight["policy"])
+    assert samples(elastic) == samples(straight), "the elastic run did not train the undisturbed run's samples"
+    first, second = (set(map(tuple, rank["samples"])) for rank in elastic["ranks"])
+    assert not first & second, "a sample was trained on both ranks"
+    assert set(elastic["draws"]) == set(straight["draws"]), "a sample was drawn that the undisturbed run did not draw"
+    events = [json.loads(line) for line in journal.read_text().splitlines()]
+    joined, died = int(joiner_url.rsplit(":", 1)[1]), int(dying_url.rsplit(":", 1)[1])
+    mine = [e for e in events if e["port"] == joined]
+    assert [e["version"] for e in mine if e["event"] == "load"] == ["2", "3", "4", "5"]
+    assert mine[0]["event"] == "load", "the joiner drew a sample before it held θ_2"
+    assert {e["version"] for e in mine if e["event"] == "generate"} == {"2", "3", "4", "5"}
+    assert [e["version"] for e in events if e["port"] == died and e["event"] == "load"] == ["0", "1", "2", "3", "4"]
+    assert {rank["world"] for rank in elastic["ranks"]} == {2}
+    urls = [rank["pool_urls"] for rank in elastic["ranks"]]
+    assert urls[0] == urls[1] and joiner_url in urls[0] and dying_url not in urls[0], urls

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from lit_parl.rollout.processes import die_with_parent
-from lit_parl.rollout.sglang.client import RETRYABLE, HTTPClient
+from lit_parl.rollout.sglang.client import RETRYABLE, HTTPClient, RouteNotFound
 
 if TYPE_CHECKING:
     from lit_parl.rollout.sglang.settings import LaunchSettings
@@ -39,6 +39,7 @@ class Server:
         in_flight: requests sent to it (or, with a router, on its account) and not answered yet.
         busy_from: when the current ``generate`` first sent it a request.
         busy_to: when it last answered one.
+        capacity: its share of the requests, relative to the others' (``ServerFleet.pick``).
     """
 
     url: str
@@ -48,6 +49,7 @@ class Server:
     in_flight: int = 0
     busy_from: float | None = None
     busy_to: float | None = None
+    capacity: float = 1.0
 
 
 # SGLang reports each sampled token's log-prob in the full softmax of logits / T, before top-k/top-p, as
@@ -103,8 +105,23 @@ class ServerFleet:
         self.router: Server | None = None
         self.launched: list[subprocess.Popen] = []  # what stop_launched stops, the router first
 
-    def attach(self, urls: list[str]) -> None:
-        self.servers += [Server(url=url) for url in urls]
+    def attach(self, urls: list[str], capacities: list[float] | None = None) -> None:
+        capacities = capacities or [1.0] * len(urls)
+        self.servers += [Server(url=url, capacity=capacity) for url, capacity in zip(urls, capacities, strict=True)]
+
+    def drop(self, server: Server) -> None:
+        """Take ``server`` out of the fleet (between iterations); stop it if it was launched here."""
+        self.servers.remove(server)
+        if server.process is not None:
+            self.launched.remove(server.process)
+            stop_launched([server.process], None)
+
+    def follow(self, urls: list[str], capacities: list[float]) -> None:
+        """Drive exactly the servers at ``urls`` (those another rank's pool drives; none of them launched here)."""
+        known = {server.url: server for server in self.servers}
+        self.servers = [known.get(url) or Server(url=url) for url in urls]
+        for server, capacity in zip(self.servers, capacities, strict=True):
+            server.alive, server.capacity = True, capacity  # the pushing rank's push reached it
 
     def attach_router(self, url: str) -> None:
         self.router = Server(url=url)  # another process's router: never stopped from here
@@ -161,11 +178,12 @@ class ServerFleet:
         return [s for s in self.servers if s.alive]
 
     def pick(self) -> Server | None:
-        """The live server with the fewest requests in flight; ``None`` if none is left (or the router is down)."""
+        """The live server with the fewest requests in flight per unit of capacity; ``None`` if none is left (or
+        the router is down)."""
         if self.router is not None and not self.router.alive:
             return None
         alive = self.live()
-        return min(alive, key=lambda s: s.in_flight) if alive else None
+        return min(alive, key=lambda s: s.in_flight / s.capacity) if alive else None
 
     async def check_alive(self, client: HTTPClient, server: Server) -> None:
         """Mark ``server`` down if its process exited or ``/health`` fails; warn once when it goes."""
@@ -183,6 +201,38 @@ class ServerFleet:
     def pids(self) -> list[int]:
         """Process ids of what was launched (router included)."""
         return [p.pid for p in self.launched]
+
+
+def answers_health(client: HTTPClient, url: str) -> bool:
+    """Whether the server at ``url`` answers ``GET /health`` now (one try, five seconds)."""
+    try:
+        client.run(client.get(url, "/health", timeout=5.0))
+        return True
+    except RETRYABLE:
+        return False
+
+
+def warn_unseeded(client: HTTPClient, servers: list[Server]) -> None:
+    """Name the attached servers that ignore per-sample seeds (``/server_info``, or the older route)."""
+    unseeded = []
+    for server in servers:
+        info = None
+        for path in ("/server_info", "/get_server_info"):
+            try:
+                info = client.run(client.get(server.url, path))
+                break
+            except RouteNotFound:
+                continue
+        if not (isinstance(info, dict) and info.get("enable_deterministic_inference")):
+            unseeded.append(server.url)
+    if unseeded:
+        warnings.warn(
+            f"SGLang server(s) {unseeded} do not report --enable-deterministic-inference in their server info, "
+            "and without it SGLang ignores each sample's sampling_seed: a retried sample, or an iteration "
+            "regenerated after a resume, is drawn anew (still on-policy, not the same). Restart them with the "
+            "flag, or set servers.deterministic_inference=false to accept this.",
+            stacklevel=3,
+        )
 
 
 def reachable_url(url: str, host: str) -> str:

@@ -43,12 +43,16 @@ class ServerSettings:
             their seeds (a retried sample, or an iteration regenerated after a resume, differs). ``False``: no
             flag, no warning.
         attach_timeout_s: how long an attached server may take to answer ``/health`` when the pool starts.
+        membership_file: a file of servers, ``URL [capacity]`` per line, read before each iteration's weight push:
+            when it exists, the attached servers become those it lists (``lit_parl.rollout.sglang.membership``).
+            ``None``: the servers change only by ``SGLangRolloutPool.add_server``/``remove_server`` or failures.
     """
 
     urls: tuple[str, ...] | None = None
     tp_size: int = 1
     deterministic_inference: bool = True
     attach_timeout_s: float = 10.0
+    membership_file: str | None = None
 
     def __post_init__(self) -> None:
         if self.urls is not None:

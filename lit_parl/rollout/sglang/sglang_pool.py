@@ -1,20 +1,20 @@
 """``SGLangRolloutPool``: the rollout protocol over SGLang servers, from start to close.
 
-It checks its settings, launches or attaches the servers (``servers``), hands weight syncs to the
-``WeightUpdater`` (``weights``), and turns an iteration's requests into one ``/generate`` per sample on
-the client's loop (``client``, ``messages``), handing each group to the trainer's thread as soon as its
-samples are in.
+It checks its settings, launches or attaches the servers (``servers``), lets servers join and leave at each
+push (``membership``), hands weight syncs to the ``WeightUpdater`` (``weights``), and turns an iteration's
+requests into one ``/generate`` per sample on the client's loop (``client``, ``messages``), handing each group
+to the trainer's thread as soon as its samples are in.
 """
 
 from __future__ import annotations
 
 import asyncio
 import functools
+import logging
 import os
 import queue
 import socket
 import tempfile
-import warnings
 import weakref
 from collections.abc import Iterable, Iterator
 from pathlib import Path
@@ -22,15 +22,18 @@ from pathlib import Path
 from lit_parl.rollout.gpu_placement import split_gpu_ids, visible_devices
 from lit_parl.rollout.records import GroupCompletions, GroupRequest, SamplingParams
 from lit_parl.rollout.rollout_pool import PoolSpec, WeightBucket
-from lit_parl.rollout.sglang.client import HTTPClient, RouteNotFound, post_with_retries
+from lit_parl.rollout.sglang.client import HTTPClient, post_with_retries
+from lit_parl.rollout.sglang.membership import Membership
 from lit_parl.rollout.sglang.messages import Ends, abort_reason, parse_group, sample_payload
 from lit_parl.rollout.sglang.servers import (
     ServerFleet,
+    answers_health,
     check_server_env,
     reachable_url,
     router_command,
     server_command,
     stop_launched,
+    warn_unseeded,
 )
 from lit_parl.rollout.sglang.settings import (
     LaunchSettings,
@@ -43,6 +46,8 @@ from lit_parl.rollout.sglang.weights import WeightUpdater
 from lit_parl.rollout.shared_pool import SharedRolloutPool
 from lit_parl.rollout.stop_strings import load_tokenizer
 from lit_parl.settings import as_settings
+
+log = logging.getLogger("lit_parl")
 
 
 class SGLangRolloutPool(SharedRolloutPool):
@@ -99,6 +104,7 @@ class SGLangRolloutPool(SharedRolloutPool):
         self._eos_id: int | None = None
         self._model_dir: str | Path | None = None
         self._tokenizer = None  # the model directory's, loaded for the first call with stop strings
+        self.membership = Membership(self.servers.membership_file)  # servers joining and leaving, at each push
 
     # -- RolloutPool -----------------------------------------------------------------------------------
     def _start(self, spec: PoolSpec) -> None:
@@ -114,7 +120,7 @@ class SGLangRolloutPool(SharedRolloutPool):
             timeout_s = launch.start_timeout_s if server.process else servers.attach_timeout_s
             fleet.wait_healthy(self._client, server, timeout_s)
         if servers.urls is not None and servers.deterministic_inference:
-            self._warn_unseeded(fleet.servers)
+            warn_unseeded(self._client, fleet.servers)
         if self.router.enabled:
             urls = [s.url for s in fleet.servers]
             command = router_command(urls, launch.host, self.router.port, self.router.args)
@@ -136,19 +142,44 @@ class SGLangRolloutPool(SharedRolloutPool):
     # -- SharedRolloutPool: every rank's pool object reaches the same servers --------------------------
     def _address(self) -> dict:
         fleet, here = self._fleet, socket.getfqdn()  # a server listening on 0.0.0.0 is reached at this host's name
-        urls = [reachable_url(s.url, here) for s in fleet.live()]
-        return {"urls": urls, "router": reachable_url(fleet.router.url, here) if fleet.router else None}
+        urls, capacities = [reachable_url(s.url, here) for s in fleet.live()], [s.capacity for s in fleet.live()]
+        router = reachable_url(fleet.router.url, here) if fleet.router else None
+        return {"urls": urls, "capacities": capacities, "router": router}
 
     def _join(self, spec: PoolSpec, address: dict) -> None:
         fleet = self._open(spec)
-        fleet.attach(address["urls"])
+        fleet.attach(address["urls"], address["capacities"])
         if address.get("router"):
             fleet.attach_router(address["router"])
         for server in [*fleet.servers, *([fleet.router] if fleet.router else [])]:
             fleet.wait_healthy(self._client, server, self.servers.attach_timeout_s)
 
-    def _adopt_version(self, version: int) -> None:
+    def _adopt_version(self, version: int, address: dict | None) -> None:
+        if address is not None:  # the servers the pushing rank's pool drove this push, joiners included
+            self._fleet.follow(address["urls"], address["capacities"])
         self._weights.check_reported(self._fleet.live(), version)
+
+    # -- elastic membership: servers join and leave at a push, between iterations ----------------------
+    def add_server(self, url: str, capacity: float = 1.0) -> None:
+        """``url``, an SGLang server started elsewhere, joins at the next push (it gets θ_k there and confirms
+        version k before its first request); ``capacity``: its share of the requests, relative to the others'."""
+        self.membership.add(url, capacity)
+
+    def remove_server(self, url: str) -> None:
+        """``url`` leaves at the next push: no request of the next iteration goes to it; stopped if launched here."""
+        self.membership.remove(url)
+
+    def _change_membership(self, version: int) -> None:
+        fleet, client = self._fleet, self._client
+        fixed = None
+        if self.router.enabled:
+            fixed = "the router balances its own workers (add them to it, or run without the router)"
+        elif self.sync.method == "distributed":
+            fixed = "the distributed sync's NCCL group is formed once (use sync.method=tensor or disk)"
+        change = self.membership.apply(fleet, functools.partial(answers_health, client), fixed)
+        if change.joined and self.servers.deterministic_inference:
+            warn_unseeded(client, [s for s in fleet.servers if s.url in change.joined])
+        log.info("SGLang pool, version %d: %s", version, change.describe(fleet.servers))
 
     def _launch_servers(self, model_path: str) -> None:
         launch, tp_size = self.launch, self.servers.tp_size
@@ -163,29 +194,8 @@ class SGLangRolloutPool(SharedRolloutPool):
                 env["CUDA_VISIBLE_DEVICES"] = visible[index]
             self._fleet.launch_server(command, env, f"http://{launch.host}:{port}", f"server_{index}.log")
 
-    def _warn_unseeded(self, servers) -> None:
-        """Name the attached servers that ignore per-sample seeds (``/server_info``, or the older route)."""
-        unseeded = []
-        for server in servers:
-            info = None
-            for path in ("/server_info", "/get_server_info"):
-                try:
-                    info = self._client.run(self._client.get(server.url, path))
-                    break
-                except RouteNotFound:
-                    continue
-            if not (isinstance(info, dict) and info.get("enable_deterministic_inference")):
-                unseeded.append(server.url)
-        if unseeded:
-            warnings.warn(
-                f"SGLang server(s) {unseeded} do not report --enable-deterministic-inference in their server info, "
-                "and without it SGLang ignores each sample's sampling_seed: a retried sample, or an iteration "
-                "regenerated after a resume, is drawn anew (still on-policy, not the same). Restart them with the "
-                "flag, or set servers.deterministic_inference=false to accept this.",
-                stacklevel=3,
-            )
-
     def _sync_weights(self, buckets: Iterable[WeightBucket], version: int) -> None:
+        self._change_membership(version)
         self._weights.sync(self.sync.method, self._fleet.live(), self._fleet.servers, buckets, version)
 
     def _generate(self, requests: list[GroupRequest], sampling: SamplingParams) -> Iterator[GroupCompletions]:

@@ -1,0 +1,165 @@
+"""Elastic membership of an SGLang pool: servers that join and leave between iterations.
+
+The servers change only at a weight push, so every request of an iteration goes to a server that holds its
+weights: a joining server answers ``/health``, receives θ_k in that push and must report version k (the
+push's confirmation) before its first request; a leaving server is drained (no request of the iteration
+after the push goes to it), and a server the pool launched is stopped when it leaves. A server that failed
+during an iteration (its unfinished samples were already sent again, with the same seeds, to the others) is
+dropped at the next push; listed again and healthy, it joins again.
+
+Two ways to ask for a change, both read at the next push:
+
+- from Python, on any thread: ``SGLangRolloutPool.add_server(url, capacity)`` and ``remove_server(url)``;
+- from outside the training process: a membership file (``ServerSettings.membership_file``), one server per
+  line, ``URL [capacity]``, ``#`` starts a comment. When the file exists, the attached servers become
+  exactly those it lists (servers the pool launched stay until ``remove_server``); a missing file changes
+  nothing. Write it whole and rename it into place, so that a push never reads half of it.
+
+Requests are spread by capacity: the next sample goes to the live server with the fewest requests in flight
+per unit of capacity (``ServerFleet.pick``). Two set-ups keep their servers fixed, and a change asked of them is
+refused with a warning: the ``distributed`` sync (its NCCL group is formed once, at the first push) and the
+router (it balances its own worker list).
+
+>>> import tempfile, os
+>>> path = os.path.join(tempfile.mkdtemp(), "servers.txt")
+>>> _ = open(path, "w").write("http://infer1:30000 2  # two GPUs' worth\\n\\nhttp://infer2:30000\\n")
+>>> read_membership_file(path)
+{'http://infer1:30000': 2.0, 'http://infer2:30000': 1.0}
+"""
+
+from __future__ import annotations
+
+import threading
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from lit_parl.rollout.sglang.servers import Server, ServerFleet
+
+
+@dataclass(frozen=True)
+class MembershipChange:
+    """What one push changed: servers that joined, left when asked, or were dropped after failing."""
+
+    joined: tuple[str, ...] = ()
+    left: tuple[str, ...] = ()
+    dropped: tuple[str, ...] = ()
+
+    def __bool__(self) -> bool:
+        return bool(self.joined or self.left or self.dropped)
+
+    def describe(self, servers: list[Server]) -> str:
+        """The membership after the change, for the log: each server with its capacity, then what changed."""
+        listing = ", ".join(f"{server.url} x{server.capacity:g}" for server in servers)
+        changed = f"joined {list(self.joined)}, left {list(self.left)}, dropped after failing {list(self.dropped)}"
+        return f"{len(servers)} server(s) [{listing}]; {changed}"
+
+
+def read_membership_file(path: str | Path) -> dict[str, float]:
+    """``{url: capacity}`` of a membership file; a bad line raises naming the file, the line and the fix."""
+    servers: dict[str, float] = {}
+    for number, line in enumerate(Path(path).read_text().splitlines(), start=1):
+        fields = line.split("#", 1)[0].split()
+        if not fields:
+            continue
+        where = f"{path}:{number}"
+        url = fields[0].rstrip("/")
+        if not url.startswith(("http://", "https://")) or len(fields) > 2:
+            raise ValueError(f"{where}: {line.strip()!r} is not 'URL [capacity]' (e.g. 'http://infer1:30000 2')")
+        servers[url] = capacity_of(fields[1], where) if len(fields) == 2 else 1.0
+    return servers
+
+
+def capacity_of(value, where: str) -> float:
+    """A server's capacity: a positive number (its share of the requests is proportional to it)."""
+    try:
+        capacity = float(value)
+    except (TypeError, ValueError):
+        capacity = float("nan")
+    if not capacity > 0:
+        raise ValueError(f"{where}: capacity {value!r} must be a positive number (e.g. the server's GPUs)")
+    return capacity
+
+
+class Membership:
+    """The changes asked of a pool's servers, kept until the next push applies them.
+
+    Args:
+        file: the membership file read at each push (``None``: only ``add``/``remove`` change the servers).
+    """
+
+    def __init__(self, file: str | Path | None = None) -> None:
+        self.file = Path(file) if file is not None else None
+        self._lock = threading.Lock()  # add/remove come from any thread, the push from the trainer's
+        self._adds: dict[str, float] = {}
+        self._removes: set[str] = set()
+
+    def add(self, url: str, capacity: float = 1.0) -> None:
+        url = url.rstrip("/")
+        if not url.startswith(("http://", "https://")):
+            raise ValueError(f"add_server({url!r}): give the server's URL, http://host:port")
+        capacity = capacity_of(capacity, f"add_server({url!r})")
+        with self._lock:
+            self._removes.discard(url)
+            self._adds[url] = capacity
+
+    def remove(self, url: str) -> None:
+        url = url.rstrip("/")
+        with self._lock:
+            self._adds.pop(url, None)
+            self._removes.add(url)
+
+    def asked(self, attached: dict[str, float]) -> tuple[dict[str, float], set[str]]:
+        """``(joins, leaves)`` against the ``attached`` servers (``{url: capacity}``, launched ones apart): the
+        file's list when it exists, then what ``add``/``remove`` asked since the last push (taken here)."""
+        joins: dict[str, float] = {}
+        leaves: set[str] = set()
+        if self.file is not None and self.file.exists():
+            listed = read_membership_file(self.file)
+            joins = {url: c for url, c in listed.items() if attached.get(url) != c}  # new, or a new capacity
+            leaves = {url for url in attached if url not in listed}
+        with self._lock:
+            joins.update(self._adds)
+            leaves = (leaves - set(self._adds)) | self._removes
+            self._adds, self._removes = {}, set()
+        return joins, leaves
+
+    def apply(self, fleet: ServerFleet, healthy: Callable[[str], bool], fixed: str | None) -> MembershipChange:
+        """At a push: drop the servers that failed, then let the asked ones join and leave. ``healthy(url)``
+        probes a joining server; ``fixed`` says why this pool's servers cannot change (``None``: they can)."""
+        dropped = []
+        if fixed is None or "distributed" not in fixed:  # that sync refuses to go on without a member instead
+            dropped = [server for server in fleet.servers if not server.alive]
+        for server in dropped:
+            fleet.drop(server)
+        joins, leaves = self.asked({s.url: s.capacity for s in fleet.servers if s.process is None})
+        by_url = {server.url: server for server in fleet.servers}
+        leaves &= set(by_url)
+        joins = {url: c for url, c in joins.items() if url not in by_url or by_url[url].capacity != c}
+        if fixed is not None and (joins or leaves):
+            warnings.warn(
+                f"SGLang servers {sorted(joins)} were not added and {sorted(leaves)} not removed: {fixed}",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+            return MembershipChange(dropped=tuple(s.url for s in dropped))
+        for url in sorted(leaves):
+            fleet.drop(by_url[url])
+        joined = []
+        for url, capacity in joins.items():
+            if url in by_url:
+                by_url[url].capacity = capacity
+            elif healthy(url):
+                fleet.attach([url], [capacity])
+                joined.append(url)
+            else:
+                warnings.warn(
+                    f"SGLang server {url} does not answer /health, so it was not added: ask again (a membership file "
+                    "asks at every push)",
+                    RuntimeWarning,
+                    stacklevel=3,
+                )
+        return MembershipChange(tuple(joined), tuple(sorted(leaves)), tuple(s.url for s in dropped))
