@@ -39,6 +39,10 @@ class ResumePoint:
         if trainer is None or iterations_done != trainer.current_epoch:
             return {"trained_in_iteration": 0, "world": share.world}  # between iterations
         processed = trainer.fit_loop.epoch_loop.batch_progress.current.processed
+        if processed >= share.local.micro_batches:
+            # written as the fit ends (ModelCheckpoint's save_last): Lightning has counted the last iteration, whose
+            # micro-batches are all trained, so current_epoch is already the next, which has not started
+            return {"trained_in_iteration": 0, "world": share.world}
         per_step = share.local.micro_batches_per_pass // share.local.mini_batches
         # the micro-batches after the last optimizer step are not in the weights: they are trained again
         return {"trained_in_iteration": processed - processed % per_step, "world": share.world}

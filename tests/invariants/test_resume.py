@@ -22,7 +22,9 @@ ITERATIONS = 3
 STEPS_PER_ITERATION = 4  # mini_batches=2 x passes=2
 
 
-def run(tmp_path, *, ckpt_path=None, save_every_step=False, callbacks=(), dynamic=False, weight_sync=True):
+def run(
+    tmp_path, *, ckpt_path=None, save_every_step=False, callbacks=(), dynamic=False, weight_sync=True, epochs=ITERATIONS
+):
     objective = GRPOObjective(beta=0.04, dynamic_sampling=dynamic)
     module, datamodule = make_components(
         pool=InProcessPool(),
@@ -42,10 +44,10 @@ def run(tmp_path, *, ckpt_path=None, save_every_step=False, callbacks=(), dynami
     )
     trainer = lightning.Trainer(
         accelerator="cpu",
-        max_epochs=ITERATIONS,
+        max_epochs=epochs,
         callbacks=[*([WeightSync()] if weight_sync else []), recorder, *checkpoints, *callbacks],
         logger=False,
-        enable_checkpointing=save_every_step,
+        enable_checkpointing=save_every_step or any(isinstance(c, ModelCheckpoint) for c in callbacks),
         enable_progress_bar=False,
         enable_model_summary=False,
         num_sanity_val_steps=0,
@@ -154,6 +156,17 @@ def test_resume_with_the_callbacks_the_cli_installs(tmp_path, step):
     )  # iterations booked in the checkpoint
     lines = load_timeline(tmp_path / "resumed" / "timeline.jsonl")
     assert [line["iteration"] for line in lines] == list(range(restored, ITERATIONS))
+
+
+def test_the_last_checkpoint_of_a_finished_fit_resumes_a_longer_one(tmp_path):
+    """The CLI's ModelCheckpoint (``save_last``) writes ``last.ckpt`` as the fit ends, once the loop has counted
+    its last epoch: that checkpoint is between iterations, and a longer fit resumed from it (``lit-parl
+    iterations=N resume=<run>``) ends on the uninterrupted weights."""
+    straight, _, _ = run(tmp_path / "straight")
+    last = ModelCheckpoint(dirpath=tmp_path / "short", every_n_epochs=100, save_last=True)
+    run(tmp_path / "short", callbacks=[last], epochs=ITERATIONS - 1)
+    resumed, _, _ = run(tmp_path / "resumed", ckpt_path=str(tmp_path / "short" / "last.ckpt"))
+    assert_same_policy(resumed, straight)
 
 
 def assert_same_policy(module, expected) -> None:
