@@ -45,9 +45,15 @@ def is_sharded(module: torch.nn.Module) -> bool:
 
 def full_tensors(module: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
     """``(name, full detached tensor)`` for every parameter of ``module``: in ``named_parameters`` order, except
-    under FSDP1, unit by unit. Names are the model's own, FSDP1's wrapper prefix left out."""
+    under FSDP1, unit by unit. Names are the model's own, FSDP1's wrapper prefix left out. A model with LoRA
+    layers (``lit_parl.models.lora``) is read merged: each adapted layer's weight with its active adapter's
+    product added, under the layer's own name, and no adapter tensor (what an engine without LoRA loads)."""
     if _is_fsdp1(module):
         yield from _fsdp1_full_tensors(module)
+        return
+    adapted = _lora_layers(module)
+    if adapted:
+        yield from _merged(module, adapted)
         return
     for name, parameter in module.named_parameters():
         if hasattr(parameter, "ds_id"):  # ZeRO-3
@@ -97,3 +103,35 @@ def _fsdp1_full_tensors(module: torch.nn.Module) -> Iterator[tuple[str, torch.Te
         with FullyShardedDataParallel.summon_full_params(unit, recurse=False, writeback=False):
             for name, parameter in parameters:
                 yield name, parameter.detach().clone()  # the gathered storage is freed when the unit is sharded again
+
+
+def has_lora_layers(module: torch.nn.Module) -> bool:
+    """Whether ``module`` has LoRA layers (read merged by ``full_tensors``)."""
+    return bool(_lora_layers(module))
+
+
+def _lora_layers(module: torch.nn.Module) -> dict[str, torch.nn.Module]:
+    """``{name: layer}`` of the LoRA layers (peft's: a ``base_layer`` and ``get_delta_weight``), found by shape so
+    that this package needs no peft."""
+    return {
+        name: m for name, m in module.named_modules() if hasattr(m, "base_layer") and hasattr(m, "get_delta_weight")
+    }
+
+
+def _merged(module: torch.nn.Module, adapted: dict[str, torch.nn.Module]) -> Iterator[tuple[str, torch.Tensor]]:
+    """One device or DDP: base + (α / r) B A of each LoRA layer's active adapter, one layer at a time."""
+    for name, parameter in module.named_parameters():
+        if ".lora_" in name:
+            continue
+        owner, _, leaf = name.rpartition(".")
+        layer_name = owner.removesuffix(".base_layer")
+        layer = adapted.get(layer_name) if owner.endswith(".base_layer") else None
+        if layer is None:
+            yield name, parameter.detach()
+            continue
+        tensor = parameter.detach()
+        if leaf == "weight" and not layer.disable_adapters:
+            with torch.no_grad():
+                for adapter in layer.active_adapters:
+                    tensor = tensor + layer.get_delta_weight(adapter).to(tensor.dtype)
+        yield f"{layer_name}.{leaf}", tensor

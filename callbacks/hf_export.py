@@ -9,7 +9,7 @@ import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
 
 from .contracts import HasPolicy, SavesPretrained, contract_problems, require
-from .full_tensors import full_tensors, is_sharded
+from .full_tensors import full_tensors, has_lora_layers, is_sharded
 
 
 class HFExport(Callback):
@@ -104,8 +104,9 @@ class HFExport(Callback):
 
     def _export(self, trainer: Trainer, pl_module: LightningModule, directory: Path) -> None:
         state_dict = None
-        if is_sharded(pl_module.policy):
-            # every rank: each gather is a collective; kept in CPU memory, one tensor at a time on the device
+        if is_sharded(pl_module.policy) or has_lora_layers(pl_module.policy):
+            # every rank: each gather is a collective; kept in CPU memory, one tensor at a time on the device (LoRA:
+            # the merged weights, under the base model's names: what transformers alone loads)
             full = ((name, tensor.cpu()) for name, tensor in full_tensors(pl_module.policy))
             if trainer.is_global_zero:
                 state_dict = dict(full)

@@ -7,7 +7,8 @@ mini-batch's normaliser only once the whole mini-batch has arrived (docs/design.
 Tri-model: ``policy`` is trained; ``old`` is the exact snapshot of the policy taken at the start of the
 iteration (θ_k), kept only when an iteration has several optimizer steps (mini-batches or passes; with
 one step the old log-probs equal the policy's, so ``logp.detach()`` stands in); ``reference`` is θ_0,
-kept only when β > 0. One call per micro-batch computes all three on the same packed layout.
+kept only when β > 0. One call per micro-batch computes all three on the same packed layout. With LoRA
+(``lora``) neither copy exists: θ_0 is the policy with its adapters off, θ_k an adapter (``trainer.tri_model``).
 
 Per-iteration metrics (``lit_parl.trainer.iteration_metrics``) are logged at the end of each epoch.
 
@@ -25,7 +26,6 @@ Example::
 
 from __future__ import annotations
 
-import copy
 import functools
 import time
 import warnings
@@ -43,6 +43,8 @@ from lit_parl.kernels.backends import compute_dtype as attention_dtype
 from lit_parl.kernels.backends import resolve_backend
 from lit_parl.kernels.forward import check_supported
 from lit_parl.models.limits import check_memory
+from lit_parl.models.lora import LoRASettings
+from lit_parl.settings import as_settings
 from lit_parl.trainer.grpo_objective import GRPOObjective
 from lit_parl.trainer.guards import NonFiniteGuard
 from lit_parl.trainer.iteration_metrics import IterationMetrics
@@ -51,12 +53,7 @@ from lit_parl.trainer.lean_checkpoint import fingerprint, leave_out, put_back
 from lit_parl.trainer.precision import check_precision, compute_dtype, enable_checkpointing
 from lit_parl.trainer.step_tally import StepTally
 from lit_parl.trainer.strategies import StrategyAdapter, adapter_for
-
-
-def _frozen_copy(model: PreTrainedModel) -> PreTrainedModel:
-    clone = copy.deepcopy(model).eval()
-    clone.requires_grad_(False)
-    return clone
+from lit_parl.trainer.tri_model import check_lora_strategy, frozen_logprobs, frozen_views, take_snapshot
 
 
 class GRPOModule(LightningModule):
@@ -91,6 +88,9 @@ class GRPOModule(LightningModule):
             layer instead of all of them, for one more forward of the decoder. The gradient is the same. θ_k
             and the reference run without gradients and are never checkpointed. It acts while the policy is in
             training mode (Lightning's fit puts it there).
+        lora: train LoRA adapters instead of the full weights (``lit_parl.models.lora.LoRASettings`` or its fields;
+            needs ``peft``): the optimizer holds the adapters only, θ_0 is the policy with them off, θ_k a copy
+            of them, and the pool loads the merged weights. ``None``: full weights. One device or DDP.
 
     Precision: on a GPU train with ``Trainer(precision="bf16-mixed")`` (``trainer=gpu``) and a float32 policy:
     the weights (and θ_k, the reference) stay float32 and the forward computes in bfloat16 under autocast.
@@ -114,6 +114,7 @@ class GRPOModule(LightningModule):
         memory_budget_gib: float | None = None,
         max_sample_tokens: int | None = None,
         gradient_checkpointing: bool = False,
+        lora: LoRASettings | dict | None = None,
     ) -> None:
         super().__init__()
         check_supported(policy)
@@ -141,8 +142,8 @@ class GRPOModule(LightningModule):
         self._backend: str | None = None
         self.guard = NonFiniteGuard(on_nonfinite)
         self.tally = StepTally()  # this optimizer step's micro-batches, agreed across ranks at the step
-        self.reference = _frozen_copy(policy) if objective.needs_reference else None
-        self.old = _frozen_copy(policy) if shape.optimizer_steps > 1 else None
+        self.lora = as_settings(LoRASettings, lora) if lora is not None else None
+        self.reference, self.old = frozen_views(policy, objective, shape, self.lora)  # LoRA: adapters, no copies
         self.gradient_checkpointing = gradient_checkpointing
         if gradient_checkpointing:  # the policy only, after the copies: θ_k and the reference keep no activations
             enable_checkpointing(policy)
@@ -161,6 +162,7 @@ class GRPOModule(LightningModule):
             return
         check_precision(self.trainer, self.policy)  # before the strategy wraps the module
         self.__dict__["strategy_adapter"] = adapter_for(self.trainer.strategy, self.strategy_adapter)
+        check_lora_strategy(self.lora, self.strategy_adapter, self.trainer.strategy)
         self.strategy_adapter.prepare(self.max_grad_norm, self.shape.micro_batch_size)
 
     def compute_dtype(self, precision: str | None = None) -> torch.dtype:
@@ -177,7 +179,7 @@ class GRPOModule(LightningModule):
         self.strategy_adapter.configure_model(self)
 
     def configure_optimizers(self):
-        optimizer = self.optimizer_factory(self.policy.parameters())
+        optimizer = self.optimizer_factory([p for p in self.policy.parameters() if p.requires_grad])
         epochs = self.trainer.max_epochs if self.trainer is not None else None
         total_steps = epochs * self.shape.optimizer_steps if epochs and epochs > 0 else None
         scheduler = self.lr_schedule(optimizer, total_steps) if self.lr_schedule is not None else None
@@ -192,8 +194,7 @@ class GRPOModule(LightningModule):
 
     def on_train_epoch_start(self) -> None:
         self.progress.start_iteration()
-        if self.old is not None:  # θ_k exactly: the weights the pool generates this iteration with
-            self.strategy_adapter.copy_weights(self.policy, self.old)
+        take_snapshot(self)  # θ_k exactly: the weights the pool generates this iteration with
         self.train_intervals = []
 
     def on_train_epoch_end(self) -> None:
@@ -223,9 +224,7 @@ class GRPOModule(LightningModule):
         start = time.monotonic()
         objective = self.objective
         logp, entropy = self.completion_logprobs(self.policy, batch, with_entropy=True)
-        with torch.no_grad():
-            old_logp = self.completion_logprobs(self.old, batch) if self.old is not None else logp.detach()
-            ref_logp = self.completion_logprobs(self.reference, batch) if self.reference is not None else None
+        old_logp, ref_logp = frozen_logprobs(self, batch, logp)
         advantages = batch.advantages
         if objective.kl_in_reward and ref_logp is not None:
             advantages = objective.kl_in_reward_advantages(batch, old_logp, ref_logp)
@@ -294,6 +293,6 @@ class GRPOModule(LightningModule):
     def on_train_start(self) -> None:
         # restored between iterations: θ_k is the policy (Lightning skips the epoch's start when the checkpoint came
         # after its last batch, and a sharded checkpoint holds the previous iteration's θ_k)
-        if self.progress.retake_snapshot and self.old is not None:
-            self.strategy_adapter.copy_weights(self.policy, self.old)
+        if self.progress.retake_snapshot:
+            take_snapshot(self)
         self.progress.retake_snapshot = False

@@ -2,7 +2,7 @@
 this file again. Each rank writes what it trained, what its pool received and the final policy to ``--out``.
 
     python tests/helpers/distributed_fit.py --strategy ddp --devices 2 --out DIR [--mode sync] [--dynamic] [--die RANK]
-        [--clip NORM] [--nan-prompt ID] [--save-every-step DIR] [--resume CKPT] [--eval]
+        [--clip NORM] [--nan-prompt ID] [--save-every-step DIR] [--resume CKPT] [--eval] [--lora]
         [--sglang-port PORT --sglang-journal FILE [--sglang-sync METHOD] [--sglang-gpus GPU ...]
          [--sglang-membership FILE [--sglang-join-at ITERATION LINE]]]
 
@@ -246,6 +246,7 @@ def main() -> None:
     )
     parser.add_argument("--save-every-step", default=None, help="a directory: a checkpoint after every optimizer step")
     parser.add_argument("--resume", default=None, help="a checkpoint to resume from")
+    parser.add_argument("--lora", action="store_true", help="train LoRA adapters (rank 4, alpha 8), not the weights")
     parser.add_argument("--sglang-port", type=int, default=None, help="one SGLang pool (stand-ins) for every rank")
     parser.add_argument("--sglang-journal", default=None, help="the stand-ins' journal file")
     parser.add_argument("--sglang-sync", default="tensor", help="the SGLang pool's weight sync method")
@@ -303,6 +304,7 @@ def main() -> None:
         objective=objective,
         **{**sgd(0.5, momentum=0.5), "max_grad_norm": args.clip},
         datamodule_kwargs={"evaluation": {"every_n_iterations": 1, "prompts": 4}} if args.eval else None,
+        lora={"rank": 4, "alpha": 8.0} if args.lora else None,
     )
     recorder, norms, sync = BatchRecorder(), GradNorms(), WeightSync()
     callbacks = [sync, recorder, norms, HFExport(dirpath=str(Path(args.out) / "export"))] + (

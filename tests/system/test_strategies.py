@@ -232,3 +232,17 @@ def test_the_cli_trains_under_fsdp2_in_one_run_directory(tmp_path):
             "__0_0.distcp",
             "__1_0.distcp",
         ]
+
+
+def test_lora_under_ddp_trains_the_single_process_update(tmp_path, single):
+    """LoRA adapters (lit_parl.models.lora) at 2 ranks: the merged policy the pool receives is one process's; the
+    frozen base holds gradients on no rank, so DDP averages the adapters' only."""
+    one = run(tmp_path / "single", "single", "--lora")
+    two = run(tmp_path / "ddp", "ddp", "--lora")
+    assert_same_policy(two["policy"], one["policy"])
+    assert sorted(samples(two)) == sorted(samples(one))
+    moved = max(float((one["policy"][name] - tensor).abs().max()) for name, tensor in single["policy"].items())
+    assert moved > 1e-3, "the LoRA run ended where the full-weight run did: the adapters did nothing"
+    names = [name for name, _ in single["policy"].items()]
+    for rank in two["ranks"]:  # the pool receives the merged weights under the model's own names
+        assert all([name for name, *_ in sync["tensors"]] == names for sync in rank["syncs"])

@@ -66,6 +66,8 @@ def deepspeed_step(engine, optimizer, scale: float) -> torch.Tensor:
 class DeepSpeedAdapter(StrategyAdapter):
     """The engine completes, scales, clips and steps the gradient; under ZeRO-3 the models are partitioned."""
 
+    supports_lora = False  # peft's layers under this strategy's sharding: not tried yet
+
     def __init__(self, strategy=None) -> None:
         super().__init__(strategy)
         self.zero3 = False  # the models are partitioned (known once the engine is built)

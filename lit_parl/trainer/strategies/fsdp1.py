@@ -42,6 +42,8 @@ def wrap_for_fsdp1(model: PreTrainedModel, sharding_strategy=None, frozen: bool 
 class FSDP1Adapter(StrategyAdapter):
     """Each model an FSDP1 root unit, each decoder layer a unit inside it."""
 
+    supports_lora = False  # peft's layers under this strategy's sharding: not tried yet
+
     def prepare(self, max_grad_norm, micro_batch_size) -> None:
         strategy = self.strategy
         if not strategy.kwargs.get("use_orig_params", True):

@@ -42,6 +42,8 @@ class StrategyAdapter:
         strategy: the Lightning strategy (``None`` outside a fit).
     """
 
+    supports_lora = True  # whole parameters: the adapters, θ_k's adapter and the merged reads work as they are
+
     def __init__(self, strategy=None) -> None:
         self.strategy = strategy
 

@@ -1,0 +1,145 @@
+"""LoRA adapters on the policy, with ``peft`` (``pip install 'lit-parl[lora]'``): what is trained, θ_k and θ_0.
+
+``add_lora`` injects LoRA layers into the policy in place (``peft.inject_adapter_in_model``): the model keeps its
+class, its forward and its decoder, so the log-prob kernels, the strategies and the exports see the same model,
+and only the adapter tensors require gradients (the optimizer holds only those). Two more views come from the
+same weights, so no second copy of the base is ever held:
+
+- θ_0, the reference (β > 0), is the policy with its adapters switched off (``adapters_off``);
+- θ_k, the old policy (several optimizer steps per iteration), is a second adapter, ``theta_k``, a copy of the
+  trained adapter taken at the iteration's start (``snapshot_adapter``) and switched on for its forward
+  (``adapter_active``).
+
+What the rollout engines load is the merged policy, base + (α / r) B A, tensor by tensor
+(``lit_parl.callbacks.full_tensors`` merges each LoRA layer's weight as it reads it).
+
+Example::
+
+    >>> from lit_parl.models import tiny_qwen2
+    >>> policy, _ = tiny_qwen2()
+    >>> policy = add_lora(policy, LoRASettings(rank=4, alpha=8))
+    >>> trained = [name for name, p in policy.named_parameters() if p.requires_grad]
+    >>> all("lora_" in name and ".default." in name for name in trained), len(trained) > 0
+    (True, True)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+
+TRAINED = "default"  # the adapter the optimizer trains (peft's default name)
+SNAPSHOT = "theta_k"  # the copy of it taken at each iteration's start
+
+
+@dataclass(frozen=True)
+class LoRASettings:
+    """The LoRA adapters trained in place of the full weights (``peft.LoraConfig``'s fields of the same meaning).
+
+    Args:
+        rank: r, the inner dimension of each adapter's two matrices.
+        alpha: the scale's numerator: each adapter adds (alpha / rank) B A to its layer's weight.
+        dropout: dropout on each adapter's input, in training mode only. Above 0, the policy's training forward is
+            not the old policy's, so the ratio starts away from 1: keep 0 for GRPO's ratio to mean what it says.
+        target_modules: the linear layers that get an adapter: ``all-linear`` (every linear layer but the output
+            head), or a list of module names (e.g. ``[q_proj, v_proj]``).
+    """
+
+    rank: int = 16
+    alpha: float = 32.0
+    dropout: float = 0.0
+    target_modules: str | tuple[str, ...] = "all-linear"
+
+    def __post_init__(self) -> None:
+        if self.rank < 1:
+            raise ValueError(f"LoRASettings(rank={self.rank}): the adapters' rank must be at least 1")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"LoRASettings(dropout={self.dropout}): a probability in [0, 1)")
+        if not isinstance(self.target_modules, str):
+            object.__setattr__(self, "target_modules", tuple(self.target_modules))
+
+    def peft_config(self):
+        try:
+            from peft import LoraConfig
+        except ImportError as error:
+            raise ImportError("LoRA needs peft: pip install 'lit-parl[lora]' (or pip install peft)") from error
+        targets = self.target_modules if isinstance(self.target_modules, str) else list(self.target_modules)
+        return LoraConfig(
+            r=self.rank, lora_alpha=self.alpha, lora_dropout=self.dropout, target_modules=targets, bias="none"
+        )
+
+
+def add_lora(policy: torch.nn.Module, settings: LoRASettings, with_snapshot: bool = False) -> torch.nn.Module:
+    """Inject ``settings``' adapters into ``policy`` (in place) and freeze everything else; ``with_snapshot``: add
+    the θ_k adapter too (frozen; ``snapshot_adapter`` fills it). Returns ``policy``."""
+    from peft import inject_adapter_in_model
+
+    config = settings.peft_config()
+    inject_adapter_in_model(config, policy, adapter_name=TRAINED)
+    if with_snapshot:
+        with warnings.catch_warnings():  # a second adapter is the point here
+            warnings.filterwarnings("ignore", message="Already found a `peft_config` attribute in the model")
+            inject_adapter_in_model(config, policy, adapter_name=SNAPSHOT)
+    for name, parameter in policy.named_parameters():
+        parameter.requires_grad_(f".{TRAINED}." in name and "lora_" in name)
+    _activate(policy, TRAINED)
+    return policy
+
+
+def lora_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The model's LoRA layers (peft's ``LoraLayer``), in module order."""
+    from peft.tuners.lora import LoraLayer
+
+    return [module for module in model.modules() if isinstance(module, LoraLayer)]
+
+
+def adapter_parameters(model: torch.nn.Module, adapter: str = TRAINED) -> Iterator[tuple[str, torch.Tensor]]:
+    """``(name, parameter)`` of ``adapter``'s tensors (its A and B of every layer), in ``named_parameters`` order."""
+    for name, parameter in model.named_parameters():
+        if "lora_" in name and f".{adapter}." in name:
+            yield name, parameter
+
+
+def snapshot_adapter(model: torch.nn.Module) -> None:
+    """θ_k ← the trained adapter, tensor by tensor (the base is shared: nothing else moves)."""
+    with torch.no_grad():
+        pairs = zip(adapter_parameters(model, TRAINED), adapter_parameters(model, SNAPSHOT), strict=True)
+        for (_, source), (_, target) in pairs:
+            target.copy_(source)
+
+
+@contextlib.contextmanager
+def adapter_active(model: torch.nn.Module, adapter: str):
+    """Run the forward with ``adapter`` in place of the trained one (trainability left as it was)."""
+    _activate(model, adapter)
+    try:
+        yield
+    finally:
+        _activate(model, TRAINED)
+
+
+@contextlib.contextmanager
+def adapters_off(model: torch.nn.Module):
+    """Run the forward of the base model alone: θ_0 (the adapters' layers pass their input to the base layer)."""
+    layers = lora_layers(model)
+    for layer in layers:
+        layer.enable_adapters(False)
+    try:
+        yield
+    finally:
+        for layer in layers:
+            layer.enable_adapters(True)
+
+
+def _activate(model: torch.nn.Module, adapter: str) -> None:
+    # peft's set_adapter also flips requires_grad to the active adapter: the trained one must keep its gradients
+    # flag (and θ_k stay frozen) whichever is active, so the flags are put back as they were
+    flags = [(parameter, parameter.requires_grad) for parameter in model.parameters()]
+    for layer in lora_layers(model):
+        layer.set_adapter(adapter)
+    for parameter, flag in flags:
+        parameter.requires_grad_(flag)
