@@ -69,7 +69,7 @@ def single(tmp_path_factory) -> dict:
     return run(tmp_path_factory.mktemp("single"), "single")
 
 
-@pytest.mark.parametrize("strategy", ["ddp", "fsdp2"])
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp2", "fsdp", "deepspeed3"])
 def test_two_ranks_share_one_pool_and_train_the_single_process_update(tmp_path, single, strategy):
     two = run(tmp_path, strategy)
     assert_same_policy(two["policy"], single["policy"])
