@@ -16,7 +16,7 @@ import pytest
 from helpers.multi_process import free_port
 from helpers.sglang_pools import SAMPLING, alive, buckets, launch_standin, requests_for, start_pool, sync_by
 from lit_parl.rollout.sglang import SGLangRolloutPool
-from lit_parl.rollout.sglang.membership import read_membership_file
+from lit_parl.rollout.sglang.membership import Membership, read_membership_file
 from lit_parl.rollout.sglang.servers import ServerFleet
 
 pytest.importorskip("aiohttp")
@@ -44,6 +44,10 @@ def test_a_bad_membership_file_names_the_line_and_the_fix(tmp_path):
         read_membership_file(path)
     with pytest.raises(ValueError, match=r"add_server\('infer1'\): give the server's URL"):
         SGLangRolloutPool().add_server("infer1")
+    # read at a push of a running fit: a typo does not stop it, and changes nothing
+    path.write_text("http://infer1:30000\ninfer2:30000\n")
+    with pytest.warns(RuntimeWarning, match=r"servers.txt:2: .* the SGLang servers stay as they are"):
+        assert Membership(path).asked({"http://infer0:30000": 1.0}) == ({}, set())
 
 
 def test_requests_are_spread_by_capacity(tmp_path):

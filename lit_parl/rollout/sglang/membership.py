@@ -13,7 +13,8 @@ Two ways to ask for a change, both read at the next push:
 - from outside the training process: a membership file (``ServerSettings.membership_file``), one server per
   line, ``URL [capacity]``, ``#`` starts a comment. When the file exists, the attached servers become
   exactly those it lists (servers the pool launched stay until ``remove_server``); a missing file changes
-  nothing. Write it whole and rename it into place, so that a push never reads half of it.
+  nothing, and one with a bad line changes nothing either (with a warning naming the line). Write it whole and
+  rename it into place, so that a push never reads half of it.
 
 Requests are spread by capacity: the next sample goes to the live server with the fewest requests in flight
 per unit of capacity (``ServerFleet.pick``). Two set-ups keep their servers fixed, and a change asked of them is
@@ -56,6 +57,15 @@ class MembershipChange:
         listing = ", ".join(f"{server.url} x{server.capacity:g}" for server in servers)
         changed = f"joined {list(self.joined)}, left {list(self.left)}, dropped after failing {list(self.dropped)}"
         return f"{len(servers)} server(s) [{listing}]; {changed}"
+
+
+def why_fixed(router: bool, distributed: bool) -> str | None:
+    """Why a pool's servers cannot change (``None``: they can): a router in front, or a ``distributed`` sync."""
+    if router:
+        return "the router balances its own workers (add them to it, or run without the router)"
+    if distributed:
+        return "the distributed sync's NCCL group is formed once (use sync.method=tensor or disk)"
+    return None
 
 
 def read_membership_file(path: str | Path) -> dict[str, float]:
@@ -117,8 +127,8 @@ class Membership:
         file's list when it exists, then what ``add``/``remove`` asked since the last push (taken here)."""
         joins: dict[str, float] = {}
         leaves: set[str] = set()
-        if self.file is not None and self.file.exists():
-            listed = read_membership_file(self.file)
+        listed = self._read_file()
+        if listed is not None:
             joins = {url: c for url, c in listed.items() if attached.get(url) != c}  # new, or a new capacity
             leaves = {url for url in attached if url not in listed}
         with self._lock:
@@ -127,12 +137,24 @@ class Membership:
             self._adds, self._removes = {}, set()
         return joins, leaves
 
-    def apply(self, fleet: ServerFleet, healthy: Callable[[str], bool], fixed: str | None) -> MembershipChange:
-        """At a push: drop the servers that failed, then let the asked ones join and leave. ``healthy(url)``
-        probes a joining server; ``fixed`` says why this pool's servers cannot change (``None``: they can)."""
-        dropped = []
-        if fixed is None or "distributed" not in fixed:  # that sync refuses to go on without a member instead
-            dropped = [server for server in fleet.servers if not server.alive]
+    def _read_file(self) -> dict[str, float] | None:
+        """The file's servers; ``None`` when there is no file, or it cannot be read (a running fit is not stopped
+        for a typo: it says why, and the servers stay as they are until the file is fixed)."""
+        if self.file is None or not self.file.exists():
+            return None
+        try:
+            return read_membership_file(self.file)
+        except (OSError, ValueError) as error:
+            warnings.warn(f"{error}; the SGLang servers stay as they are", RuntimeWarning, stacklevel=4)
+            return None
+
+    def apply(
+        self, fleet: ServerFleet, healthy: Callable[[str], bool], fixed: str | None, drop_failed: bool = True
+    ) -> MembershipChange:
+        """At a push: drop the servers that failed (``drop_failed``), then let the asked ones join and leave.
+        ``healthy(url)`` probes a joining server; ``fixed`` says why this pool's servers cannot change (``None``:
+        they can)."""
+        dropped = [server for server in fleet.servers if not server.alive] if drop_failed else []
         for server in dropped:
             fleet.drop(server)
         joins, leaves = self.asked({s.url: s.capacity for s in fleet.servers if s.process is None})

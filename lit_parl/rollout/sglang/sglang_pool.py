@@ -23,7 +23,7 @@ from lit_parl.rollout.gpu_placement import split_gpu_ids, visible_devices
 from lit_parl.rollout.records import GroupCompletions, GroupRequest, SamplingParams
 from lit_parl.rollout.rollout_pool import PoolSpec, WeightBucket
 from lit_parl.rollout.sglang.client import HTTPClient, post_with_retries
-from lit_parl.rollout.sglang.membership import Membership
+from lit_parl.rollout.sglang.membership import Membership, why_fixed
 from lit_parl.rollout.sglang.messages import Ends, abort_reason, parse_group, sample_payload
 from lit_parl.rollout.sglang.servers import (
     ServerFleet,
@@ -170,13 +170,10 @@ class SGLangRolloutPool(SharedRolloutPool):
         self.membership.remove(url)
 
     def _change_membership(self, version: int) -> None:
-        fleet, client = self._fleet, self._client
-        fixed = None
-        if self.router.enabled:
-            fixed = "the router balances its own workers (add them to it, or run without the router)"
-        elif self.sync.method == "distributed":
-            fixed = "the distributed sync's NCCL group is formed once (use sync.method=tensor or disk)"
-        change = self.membership.apply(fleet, functools.partial(answers_health, client), fixed)
+        fleet, client, distributed = self._fleet, self._client, self.sync.method == "distributed"
+        fixed = why_fixed(self.router.enabled, distributed)
+        # a distributed sync refuses to go on without a member of its group: a failed server is not dropped there
+        change = self.membership.apply(fleet, functools.partial(answers_health, client), fixed, not distributed)
         if change.joined and self.servers.deterministic_inference:
             warn_unseeded(client, [s for s in fleet.servers if s.url in change.joined])
         log.info("SGLang pool, version %d: %s", version, change.describe(fleet.servers))
