@@ -133,8 +133,13 @@ class WeightSync(Callback):
 
     def snapshot_tensors(self, trainer: Trainer, pl_module: LightningModule) -> Iterable[tuple[str, torch.Tensor]]:
         """The iteration's starting weights θ_k, pushed when a fit resumes inside an iteration (the policy has
-        moved on since). The default reads ``pl_module.old``, the exact snapshot ``lit_parl.GRPOModule`` keeps."""
+        moved on since). The default reads ``pl_module.old``, the exact snapshot ``lit_parl.GRPOModule`` keeps, or,
+        for a module that keeps θ_k inside its policy (LoRA: an adapter), the policy within the module's
+        ``holding_theta_k()`` context."""
         snapshot = getattr(pl_module, "old", None)
+        holding = getattr(pl_module, "holding_theta_k", lambda: None)()
+        if snapshot is None and holding is not None:
+            return _read_within(holding, full_tensors(pl_module.policy))
         if not isinstance(snapshot, torch.nn.Module):
             raise TypeError(
                 f"the fit resumes inside iteration {trainer.current_epoch}, "
@@ -240,3 +245,9 @@ class WeightSync(Callback):
         if self._gate is not None:
             self._gate.open_iteration(version)
         self.sync_intervals.append((start, time.monotonic()))
+
+
+def _read_within(context, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+    """``named_tensors``, each read inside ``context`` (entered at the first read, left after the last)."""
+    with context:
+        yield from named_tensors

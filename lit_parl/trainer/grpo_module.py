@@ -45,6 +45,7 @@ from lit_parl.kernels.forward import check_supported
 from lit_parl.models.limits import check_memory
 from lit_parl.models.lora import LoRASettings
 from lit_parl.settings import as_settings
+from lit_parl.trainer import tri_model
 from lit_parl.trainer.grpo_objective import GRPOObjective
 from lit_parl.trainer.guards import NonFiniteGuard
 from lit_parl.trainer.iteration_metrics import IterationMetrics
@@ -53,7 +54,7 @@ from lit_parl.trainer.lean_checkpoint import fingerprint, leave_out, put_back
 from lit_parl.trainer.precision import check_precision, compute_dtype, enable_checkpointing
 from lit_parl.trainer.step_tally import StepTally
 from lit_parl.trainer.strategies import StrategyAdapter, adapter_for
-from lit_parl.trainer.tri_model import check_lora_strategy, frozen_logprobs, frozen_views, take_snapshot
+from lit_parl.trainer.warmup_schedule import with_schedule
 
 
 class GRPOModule(LightningModule):
@@ -143,7 +144,8 @@ class GRPOModule(LightningModule):
         self.guard = NonFiniteGuard(on_nonfinite)
         self.tally = StepTally()  # this optimizer step's micro-batches, agreed across ranks at the step
         self.lora = as_settings(LoRASettings, lora) if lora is not None else None
-        self.reference, self.old = frozen_views(policy, objective, shape, self.lora)  # LoRA: adapters, no copies
+        # θ_0 and θ_k as frozen copies where needed; LoRA: adapters injected into the policy, no copy
+        self.reference, self.old = tri_model.frozen_views(policy, objective, shape, self.lora)
         self.gradient_checkpointing = gradient_checkpointing
         if gradient_checkpointing:  # the policy only, after the copies: θ_k and the reference keep no activations
             enable_checkpointing(policy)
@@ -162,7 +164,7 @@ class GRPOModule(LightningModule):
             return
         check_precision(self.trainer, self.policy)  # before the strategy wraps the module
         self.__dict__["strategy_adapter"] = adapter_for(self.trainer.strategy, self.strategy_adapter)
-        check_lora_strategy(self.lora, self.strategy_adapter, self.trainer.strategy)
+        tri_model.check_lora_strategy(self.lora, self.strategy_adapter, self.trainer.strategy)
         self.strategy_adapter.prepare(self.max_grad_norm, self.shape.micro_batch_size)
 
     def compute_dtype(self, precision: str | None = None) -> torch.dtype:
@@ -179,14 +181,13 @@ class GRPOModule(LightningModule):
         self.strategy_adapter.configure_model(self)
 
     def configure_optimizers(self):
-        optimizer = self.optimizer_factory([p for p in self.policy.parameters() if p.requires_grad])
+        optimizer = self.optimizer_factory([p for p in self.policy.parameters() if p.requires_grad])  # LoRA: adapters
         epochs = self.trainer.max_epochs if self.trainer is not None else None
-        total_steps = epochs * self.shape.optimizer_steps if epochs and epochs > 0 else None
-        scheduler = self.lr_schedule(optimizer, total_steps) if self.lr_schedule is not None else None
-        if scheduler is None:  # a constant learning rate: nothing to step
-            return optimizer
-        # stepped by _optimizer_step (manual optimisation): Lightning's interval settings do not apply
-        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+        return with_schedule(optimizer, self.lr_schedule, epochs, self.shape.optimizer_steps)
+
+    def holding_theta_k(self):
+        """A context in which ``policy`` computes θ_k (LoRA keeps it as an adapter); ``None``: θ_k is ``old``."""
+        return tri_model.theta_k_in_policy(self)
 
     def on_fit_start(self) -> None:
         self._backend = resolve_backend(self.attention_backend, self.device, self.compute_dtype())
@@ -194,7 +195,7 @@ class GRPOModule(LightningModule):
 
     def on_train_epoch_start(self) -> None:
         self.progress.start_iteration()
-        take_snapshot(self)  # θ_k exactly: the weights the pool generates this iteration with
+        tri_model.take_snapshot(self)  # θ_k exactly: the weights the pool generates this iteration with
         self.train_intervals = []
 
     def on_train_epoch_end(self) -> None:
@@ -224,7 +225,7 @@ class GRPOModule(LightningModule):
         start = time.monotonic()
         objective = self.objective
         logp, entropy = self.completion_logprobs(self.policy, batch, with_entropy=True)
-        old_logp, ref_logp = frozen_logprobs(self, batch, logp)
+        old_logp, ref_logp = tri_model.frozen_logprobs(self, batch, logp)
         advantages = batch.advantages
         if objective.kl_in_reward and ref_logp is not None:
             advantages = objective.kl_in_reward_advantages(batch, old_logp, ref_logp)
@@ -294,5 +295,5 @@ class GRPOModule(LightningModule):
         # restored between iterations: θ_k is the policy (Lightning skips the epoch's start when the checkpoint came
         # after its last batch, and a sharded checkpoint holds the previous iteration's θ_k)
         if self.progress.retake_snapshot:
-            take_snapshot(self)
+            tri_model.take_snapshot(self)
         self.progress.retake_snapshot = False

@@ -79,3 +79,12 @@ def take_snapshot(module) -> None:
         module.strategy_adapter.copy_weights(module.policy, module.old)
     elif module.lora is not None and module.shape.optimizer_steps > 1:
         snapshot_adapter(module.policy)
+
+
+def theta_k_in_policy(module):
+    """A context in which ``module.policy`` computes θ_k, or ``None`` when θ_k is ``module.old`` (or the policy itself,
+    with one optimizer step): with LoRA and several steps, the snapshot adapter switched on (``WeightSync`` reads
+    θ_k through it when a fit resumes inside an iteration)."""
+    if module.lora is not None and module.shape.optimizer_steps > 1:
+        return adapter_active(module.policy, SNAPSHOT)
+    return None

@@ -69,3 +69,15 @@ class WarmupSchedule:
             return 1.0
         progress = min(1.0, (step - self.warmup_steps) / max(1, total - self.warmup_steps))
         return self.min_lr_ratio + (1 - self.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+def with_schedule(optimizer, lr_schedule, epochs: int | None, optimizer_steps: int):
+    """What ``configure_optimizers`` returns: ``optimizer`` alone, or with the schedule ``lr_schedule(optimizer,
+    total_steps)`` builds (``total_steps``: ``epochs`` x ``optimizer_steps`` per iteration, ``None`` when unbounded),
+    stepped after every optimizer step by the module itself (manual optimisation: Lightning's interval settings do
+    not apply)."""
+    total_steps = epochs * optimizer_steps if epochs and epochs > 0 else None
+    scheduler = lr_schedule(optimizer, total_steps) if lr_schedule is not None else None
+    if scheduler is None:  # a constant learning rate: nothing to step
+        return optimizer
+    return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}

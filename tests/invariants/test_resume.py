@@ -23,9 +23,18 @@ STEPS_PER_ITERATION = 4  # mini_batches=2 x passes=2
 
 
 def run(
-    tmp_path, *, ckpt_path=None, save_every_step=False, callbacks=(), dynamic=False, weight_sync=True, epochs=ITERATIONS
+    tmp_path,
+    *,
+    ckpt_path=None,
+    save_every_step=False,
+    callbacks=(),
+    dynamic=False,
+    weight_sync=True,
+    epochs=ITERATIONS,
+    lora=None,
 ):
     objective = GRPOObjective(beta=0.04, dynamic_sampling=dynamic)
+    torch.manual_seed(0)  # LoRA's initial A matrices are drawn: the same in every run
     module, datamodule = make_components(
         pool=InProcessPool(),
         prompts=8,
@@ -34,6 +43,7 @@ def run(
         mini_batches=2,
         passes=2,
         objective=objective,
+        lora=lora,
         **sgd(0.5),
     )
     recorder = BatchRecorder()
@@ -166,6 +176,16 @@ def test_the_last_checkpoint_of_a_finished_fit_resumes_a_longer_one(tmp_path):
     last = ModelCheckpoint(dirpath=tmp_path / "short", every_n_epochs=100, save_last=True)
     run(tmp_path / "short", callbacks=[last], epochs=ITERATIONS - 1)
     resumed, _, _ = run(tmp_path / "resumed", ckpt_path=str(tmp_path / "short" / "last.ckpt"))
+    assert_same_policy(resumed, straight)
+
+
+def test_lora_resumes_inside_an_iteration_from_its_snapshot_adapter(tmp_path):
+    """With LoRA, θ_k is the snapshot adapter beside the trained one (lit_parl.models.lora): a fit resumed in
+    iteration 1's second pass pushes base + θ_k's adapter product, and ends on the uninterrupted weights."""
+    lora = {"rank": 4, "alpha": 8.0}
+    straight, _, _ = run(tmp_path / "straight", lora=lora)
+    run(tmp_path / "saved", save_every_step=True, lora=lora)
+    resumed, _, _ = run(tmp_path / "resumed", ckpt_path=str(tmp_path / "saved" / "step=6.ckpt"), lora=lora)
     assert_same_policy(resumed, straight)
 
 
