@@ -81,12 +81,17 @@ class HFExport(Callback):
     ) -> None:
         """Write the policy (safetensors) and the tokenizer, if any, into ``directory`` (on global rank 0).
 
-        ``state_dict``: the policy's full weights when a strategy shards them (gathered on every rank); ``None``: the
-        policy's own.
+        ``state_dict``: the policy's full weights when a strategy shards them (gathered on every rank), or merged
+        when it trains LoRA adapters (which are also written to ``directory/adapter``, as peft saves them); ``None``:
+        the policy's own.
         """
         pl_module.policy.save_pretrained(
             directory, state_dict=state_dict
         )  # safetensors: the default of transformers >= 4.35
+        if has_lora_layers(pl_module.policy):  # the merged model above; the adapter alone, as peft loads it, here
+            from lit_parl.models.lora import save_adapter
+
+            save_adapter(pl_module.policy, directory / "adapter")
         tokenizer = getattr(pl_module, "tokenizer", None)
         if tokenizer is not None:
             tokenizer.save_pretrained(directory)

@@ -125,6 +125,12 @@ def test_only_the_adapters_train_and_the_reference_is_the_base_model(tmp_path):
     assert not any("lora_" in name or "base_layer" in name for name in exported.state_dict())
     with torch.no_grad():
         torch.testing.assert_close(module.completion_logprobs(exported, batch), adapted, atol=1e-5, rtol=0)
+    # and the adapter alone, as peft saves one: peft loads it onto the base model the run started from
+    reloaded = peft.PeftModel.from_pretrained(tiny_qwen2(seed=0)[0], export.saved_to / "adapter").eval()
+    with torch.no_grad():
+        torch.testing.assert_close(
+            module.completion_logprobs(reloaded.get_base_model(), batch), adapted, atol=1e-5, rtol=0
+        )
 
 
 def test_the_pool_loads_the_merged_weights_every_iteration():
