@@ -110,6 +110,11 @@ def has_lora_layers(module: torch.nn.Module) -> bool:
     return bool(_lora_layers(module))
 
 
+def lora_adapter(module: torch.nn.Module) -> str:
+    """The name of the adapter ``module``'s LoRA layers run (the trained one)."""
+    return next(iter(_lora_layers(module).values())).active_adapters[0]
+
+
 def _lora_layers(module: torch.nn.Module) -> dict[str, torch.nn.Module]:
     """``{name: layer}`` of the LoRA layers (peft's: a ``base_layer`` and ``get_delta_weight``), found by shape so
     that this package needs no peft."""

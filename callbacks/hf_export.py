@@ -9,7 +9,7 @@ import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
 
 from .contracts import HasPolicy, SavesPretrained, contract_problems, require
-from .full_tensors import full_tensors, has_lora_layers, is_sharded
+from .full_tensors import full_tensors, has_lora_layers, is_sharded, lora_adapter
 
 
 class HFExport(Callback):
@@ -89,8 +89,6 @@ class HFExport(Callback):
             directory, state_dict=state_dict
         )  # safetensors: the default of transformers >= 4.35
         if has_lora_layers(pl_module.policy):  # the merged model above; the adapter alone, as peft loads it, here
-            from lit_parl.models.lora import save_adapter
-
             save_adapter(pl_module.policy, directory / "adapter")
         tokenizer = getattr(pl_module, "tokenizer", None)
         if tokenizer is not None:
@@ -125,3 +123,19 @@ class HFExport(Callback):
         else:
             self.export(pl_module, directory, state_dict)
         self.saved_to = directory
+
+
+def save_adapter(model: torch.nn.Module, directory: Path) -> None:
+    """The active LoRA adapter of ``model`` (peft's layers injected into it) as peft saves one
+    (``adapter_config.json``, ``adapter_model.safetensors``), for ``peft.PeftModel.from_pretrained(base, directory)``
+    on the base model the run started from."""
+    from peft import get_peft_model_state_dict
+    from safetensors.torch import save_file
+
+    directory.mkdir(parents=True, exist_ok=True)
+    adapter = lora_adapter(model)
+    state = get_peft_model_state_dict(model, adapter_name=adapter)
+    # a PeftModel's names: the model sits at base_model.model
+    state = {f"base_model.model.{name}": tensor.detach().cpu().contiguous() for name, tensor in state.items()}
+    save_file(state, directory / "adapter_model.safetensors", metadata={"format": "pt"})
+    model.peft_config[adapter].save_pretrained(directory)

@@ -29,7 +29,6 @@ import contextlib
 import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
@@ -144,18 +143,3 @@ def _activate(model: torch.nn.Module, adapter: str) -> None:
         layer.set_adapter(adapter)
     for parameter, flag in flags:
         parameter.requires_grad_(flag)
-
-
-def save_adapter(model: torch.nn.Module, directory: str | Path) -> None:
-    """The trained adapter as peft saves one (``adapter_config.json``, ``adapter_model.safetensors``), to load with
-    ``peft.PeftModel.from_pretrained(base_model, directory)`` on the base model the run started from."""
-    from peft import get_peft_model_state_dict
-    from safetensors.torch import save_file
-
-    directory = Path(directory)
-    directory.mkdir(parents=True, exist_ok=True)
-    state = get_peft_model_state_dict(model, adapter_name=TRAINED)
-    # a PeftModel's names: the model sits at base_model.model
-    state = {f"base_model.model.{name}": tensor.detach().cpu().contiguous() for name, tensor in state.items()}
-    save_file(state, directory / "adapter_model.safetensors", metadata={"format": "pt"})
-    model.peft_config[TRAINED].save_pretrained(directory)
