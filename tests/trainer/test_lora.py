@@ -78,7 +78,7 @@ def lora_fit(options: dict, iterations: int = 2, packing: str = "shared_prompt",
 )
 def test_a_lora_fit_equals_a_per_sample_reference_built_with_peft(packing, micro_batch_size):
     """β > 0 (θ_0: the adapters off) and two mini-batches x two passes (θ_k: the adapter snapshot), packed and padded,
-    at two micro-batch sizes: every adapter tensor matches the reference's after each iteration."""
+    at two micro-batch sizes: every adapter tensor matches the reference's after two iterations."""
     shape = {"mini_batches": 2, "passes": 2, "micro_batch_size": micro_batch_size}
     base, module, pool, recorder, twin, _ = lora_fit(KL_AND_STEPS, packing=packing, **shape)
     expected = reference_fit(twin, pool, recorder, KL_AND_STEPS, LR, SAMPLING.temperature)
