@@ -9,6 +9,7 @@ transformers.
 
 from __future__ import annotations
 
+import copy
 import functools
 import json
 
@@ -192,3 +193,43 @@ def test_grpo_on_a_math_dataset_through_the_chat_template_with_the_math_reward(s
     for name, tensor in module.policy.state_dict().items():
         torch.testing.assert_close(reloaded.state_dict()[name], tensor, rtol=0, atol=0)
     assert AutoTokenizer.from_pretrained(tmp_path / "policy").chat_template == tokenizer.chat_template
+
+
+@pytest.mark.slow  # make test-slow: two iterations of the real model with adapters
+def test_lora_on_the_real_model_trains_its_adapters_and_the_pool_follows_the_merged_policy(smollm2, tmp_path):
+    """SmolLM2 with LoRA adapters (lit_parl.models.lora): two iterations of two optimizer steps each (θ_k is the
+    snapshot adapter) and β > 0 (θ_0 is the base, adapters off): the base does not move, the sampler's log-probs
+    match the trainer's every iteration (it got the merged weights), and the merged export reloads."""
+    model, tokenizer, _ = smollm2
+    model = copy.deepcopy(model)  # the adapters go into the model in place: keep the fixture's own clean
+    shape = IterationShape(prompts=2, group_size=2, micro_batch_size=2, mini_batches=2)
+    objective = GRPOObjective(beta=0.04)
+    module = GRPOModule(
+        model,
+        objective,
+        shape,
+        tokenizer=tokenizer,
+        optimizer=functools.partial(torch.optim.AdamW, lr=1e-3),
+        lora={"rank": 8, "alpha": 16.0},
+    )
+    data = RolloutDataModule(
+        CopyTask(seed=0),
+        [positional_reward],
+        HFRolloutPool(num_workers=1, threads_per_worker=1, prompts_per_request=2, colocated_threads=1),
+        tokenizer,
+        shape,
+        objective,
+        initial_model=model,
+        sampling=SamplingParams(max_new_tokens=4, stop_token_ids=()),
+        trainer_threads=1,
+        gate_timeout_s=120,
+    )
+    before = {k: v for k, v in policy_state(module).items() if "lora_" not in k}
+    export = HFExport(dirpath=str(tmp_path / "policy"))
+    trainer = fit(module, data, iterations=2, callbacks=[export])
+    assert trainer.global_step == 4 and data.iterations_done == 2
+    after = policy_state(module)
+    assert all(torch.equal(before[k], after[k]) for k in before), "the frozen base moved"
+    assert float(trainer.callback_metrics["mismatch/logprob_abs_diff"]) < 1e-4  # iteration 1: after the adapters moved
+    reloaded = AutoModelForCausalLM.from_pretrained(export.saved_to)
+    assert not any("lora_" in name for name in reloaded.state_dict())
