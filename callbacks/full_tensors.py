@@ -51,7 +51,7 @@ def full_tensors(module: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
     if _is_fsdp1(module):
         yield from _fsdp1_full_tensors(module)
         return
-    adapted = _lora_layers(module)
+    adapted = lora_layers(module)
     if adapted:
         yield from _merged(module, adapted)
         return
@@ -107,17 +107,17 @@ def _fsdp1_full_tensors(module: torch.nn.Module) -> Iterator[tuple[str, torch.Te
 
 def has_lora_layers(module: torch.nn.Module) -> bool:
     """Whether ``module`` has LoRA layers (read merged by ``full_tensors``)."""
-    return bool(_lora_layers(module))
+    return bool(lora_layers(module))
 
 
 def lora_adapter(module: torch.nn.Module) -> str:
     """The name of the adapter ``module``'s LoRA layers run (the trained one)."""
-    return next(iter(_lora_layers(module).values())).active_adapters[0]
+    return next(iter(lora_layers(module).values())).active_adapters[0]
 
 
-def _lora_layers(module: torch.nn.Module) -> dict[str, torch.nn.Module]:
-    """``{name: layer}`` of the LoRA layers (peft's: a ``base_layer`` and ``get_delta_weight``), found by shape so
-    that this package needs no peft."""
+def lora_layers(module: torch.nn.Module) -> dict[str, torch.nn.Module]:
+    """``{name: layer}`` of the LoRA layers (peft's: a ``base_layer`` and ``get_delta_weight``), in module order,
+    found by shape so that this package needs no peft."""
     return {
         name: m for name, m in module.named_modules() if hasattr(m, "base_layer") and hasattr(m, "get_delta_weight")
     }

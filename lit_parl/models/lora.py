@@ -32,6 +32,8 @@ from dataclasses import dataclass
 
 import torch
 
+from lit_parl.callbacks.full_tensors import lora_layers
+
 TRAINED = "default"  # the adapter the optimizer trains (peft's default name)
 SNAPSHOT = "theta_k"  # the copy of it taken at each iteration's start
 
@@ -90,13 +92,6 @@ def add_lora(policy: torch.nn.Module, settings: LoRASettings, with_snapshot: boo
     return policy
 
 
-def lora_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
-    """The model's LoRA layers (peft's ``LoraLayer``), in module order."""
-    from peft.tuners.lora import LoraLayer
-
-    return [module for module in model.modules() if isinstance(module, LoraLayer)]
-
-
 def adapter_parameters(model: torch.nn.Module, adapter: str = TRAINED) -> Iterator[tuple[str, torch.Tensor]]:
     """``(name, parameter)`` of ``adapter``'s tensors (its A and B of every layer), in ``named_parameters`` order."""
     for name, parameter in model.named_parameters():
@@ -125,7 +120,7 @@ def adapter_active(model: torch.nn.Module, adapter: str):
 @contextlib.contextmanager
 def adapters_off(model: torch.nn.Module):
     """Run the forward of the base model alone: θ_0 (the adapters' layers pass their input to the base layer)."""
-    layers = lora_layers(model)
+    layers = list(lora_layers(model).values())
     for layer in layers:
         layer.enable_adapters(False)
     try:
@@ -139,7 +134,7 @@ def _activate(model: torch.nn.Module, adapter: str) -> None:
     # peft's set_adapter also flips requires_grad to the active adapter: the trained one must keep its gradients
     # flag (and θ_k stay frozen) whichever is active, so the flags are put back as they were
     flags = [(parameter, parameter.requires_grad) for parameter in model.parameters()]
-    for layer in lora_layers(model):
+    for layer in lora_layers(model).values():
         layer.set_adapter(adapter)
     for parameter, flag in flags:
         parameter.requires_grad_(flag)

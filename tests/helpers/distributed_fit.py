@@ -331,9 +331,7 @@ def main() -> None:
         enable_model_summary=False,
         num_sanity_val_steps=0,
     )
-    started = time.monotonic()
     trainer.fit(module, datamodule=datamodule, ckpt_path=args.resume)
-    fit_seconds = time.monotonic() - started
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -353,7 +351,6 @@ def main() -> None:
         "grad_norms": norms.norms,
         "skipped_steps": module.guard.skipped_steps,
         "pool_urls": members.urls,
-        "fit_seconds": fit_seconds,
         "iteration_seconds": [b - a for a, b in zip(epoch_ends.times, epoch_ends.times[1:])],
         "sync_seconds": [end - start for start, end in sync.sync_intervals],  # each push, as this rank spent it
         "val": {name: float(value) for name, value in trainer.callback_metrics.items() if name.startswith("val/")},

@@ -91,15 +91,9 @@ def test_a_missing_gguf_file_is_named():
         gguf("/nowhere/model.gguf")
 
 
-def test_one_iteration_of_grpo_on_the_real_model_with_its_real_tokenizer(smollm2):
-    model, tokenizer, _ = smollm2
-    shape = IterationShape(prompts=2, group_size=2, micro_batch_size=4)
-    objective = GRPOObjective(beta=0.04)  # the tri-model: the reference forward too
-    module = GRPOModule(
-        model, objective, shape, tokenizer=tokenizer, optimizer=functools.partial(torch.optim.SGD, lr=1e-3)
-    )
-    sampling = SamplingParams(max_new_tokens=4, stop_token_ids=())
-    data = RolloutDataModule(
+def copy_task_data(model, tokenizer, shape, objective) -> RolloutDataModule:
+    """The copy task's prompts through the real tokenizer, 4 new tokens, one hf worker."""
+    return RolloutDataModule(
         CopyTask(seed=0),
         [positional_reward],
         HFRolloutPool(num_workers=1, threads_per_worker=1, prompts_per_request=2, colocated_threads=1),
@@ -107,10 +101,20 @@ def test_one_iteration_of_grpo_on_the_real_model_with_its_real_tokenizer(smollm2
         shape,
         objective,
         initial_model=model,
-        sampling=sampling,
+        sampling=SamplingParams(max_new_tokens=4, stop_token_ids=()),
         trainer_threads=1,
         gate_timeout_s=120,
     )
+
+
+def test_one_iteration_of_grpo_on_the_real_model_with_its_real_tokenizer(smollm2):
+    model, tokenizer, _ = smollm2
+    shape = IterationShape(prompts=2, group_size=2, micro_batch_size=4)
+    objective = GRPOObjective(beta=0.04)  # the tri-model: the reference forward too
+    module = GRPOModule(
+        model, objective, shape, tokenizer=tokenizer, optimizer=functools.partial(torch.optim.SGD, lr=1e-3)
+    )
+    data = copy_task_data(model, tokenizer, shape, objective)
     before = policy_state(module)
     trainer = fit(module, data, iterations=1)
     assert trainer.global_step == 1 and data.iterations_done == 1
@@ -212,18 +216,7 @@ def test_lora_on_the_real_model_trains_its_adapters_and_the_pool_follows_the_mer
         optimizer=functools.partial(torch.optim.AdamW, lr=1e-3),
         lora={"rank": 8, "alpha": 16.0},
     )
-    data = RolloutDataModule(
-        CopyTask(seed=0),
-        [positional_reward],
-        HFRolloutPool(num_workers=1, threads_per_worker=1, prompts_per_request=2, colocated_threads=1),
-        tokenizer,
-        shape,
-        objective,
-        initial_model=model,
-        sampling=SamplingParams(max_new_tokens=4, stop_token_ids=()),
-        trainer_threads=1,
-        gate_timeout_s=120,
-    )
+    data = copy_task_data(model, tokenizer, shape, objective)
     before = {k: v for k, v in policy_state(module).items() if "lora_" not in k}
     export = HFExport(dirpath=str(tmp_path / "policy"))
     trainer = fit(module, data, iterations=2, callbacks=[export])

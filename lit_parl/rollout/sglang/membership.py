@@ -49,9 +49,6 @@ class MembershipChange:
     left: tuple[str, ...] = ()
     dropped: tuple[str, ...] = ()
 
-    def __bool__(self) -> bool:
-        return bool(self.joined or self.left or self.dropped)
-
     def describe(self, servers: list[Server]) -> str:
         """The membership after the change, for the log: each server with its capacity, then what changed."""
         listing = ", ".join(f"{server.url} x{server.capacity:g}" for server in servers)
