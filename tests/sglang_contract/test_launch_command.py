@@ -33,7 +33,7 @@ from sglang.srt.utils.msgspec_utils import msgspec_to_builtins  # noqa: E402
 from sglang_router.launch_router import parse_router_args  # noqa: E402
 
 from lit_parl.rollout.sglang import LaunchSettings, SGLangRolloutPool  # noqa: E402
-from lit_parl.rollout.sglang.servers import Server, router_command, server_command  # noqa: E402
+from lit_parl.rollout.sglang.servers import Server, router_command, server_command, warn_unseeded  # noqa: E402
 from lit_parl.rollout.sglang.settings import SERVER_DTYPES  # noqa: E402
 from sglang_contract.pool_run import free_port  # noqa: E402
 
@@ -100,11 +100,9 @@ def test_deterministic_inference_reaches_server_args_and_server_info_where_the_p
             assert path == "/server_info"
             return json.loads(json.dumps(info, default=str))
 
-    pool = SGLangRolloutPool(servers={"urls": ["http://sglang:30000"]})
-    pool._client = Client()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        pool._warn_unseeded([Server(url="http://sglang:30000")])
+        warn_unseeded(Client(), [Server(url="http://sglang:30000")])
     named = [w for w in caught if "do not report --enable-deterministic-inference" in str(w.message)]
     assert len(named) == (0 if deterministic else 1)
 
