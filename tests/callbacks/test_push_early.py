@@ -26,18 +26,29 @@ class TimedPool(WrappedPool):
     def __init__(self, inner) -> None:
         super().__init__(inner)
         self.events: list[tuple[str, int, float]] = []
+        self._recorded = threading.Condition()  # the iteration threads record; a test's thread waits on them
+
+    def _record(self, kind: str, version: int) -> None:
+        with self._recorded:
+            self.events.append((kind, version, time.monotonic()))
+            self._recorded.notify_all()
 
     def _sync_weights(self, buckets, version):
-        self.events.append(("sync_start", version, time.monotonic()))
+        self._record("sync_start", version)
         super()._sync_weights(buckets, version)
-        self.events.append(("synced", version, time.monotonic()))
+        self._record("synced", version)
 
     def _generate(self, requests, sampling):
-        self.events.append(("request", requests[0].version, time.monotonic()))
+        self._record("request", requests[0].version)
         yield from super()._generate(requests, sampling)
 
     def times(self, kind: str) -> dict[int, float]:
         return {version: at for event, version, at in self.events if event == kind}
+
+    def wait_for(self, kind: str, version: int, timeout_s: float = 30.0) -> bool:
+        """Until ``kind`` is recorded for ``version`` (the deadline only bounds a hang); whether it was."""
+        with self._recorded:
+            return self._recorded.wait_for(lambda: version in self.times(kind), timeout_s)
 
 
 class SlowEpochEnd(Callback):
@@ -88,13 +99,16 @@ def test_pushing_early_trains_exactly_what_pushing_at_the_epochs_start_trains():
 
 
 class StopAfterEpoch(Callback):
-    """Stops the fit at the end of ``epoch`` as early stopping would: after WeightSync pushed the next weights."""
+    """Stops the fit at the end of ``epoch`` as early stopping would: after WeightSync pushed the next weights
+    and so started the next iteration in its thread, and once that iteration's requests reached ``pool``: a
+    loaded machine may not have run the thread that far yet, and the fit would then close the pool first."""
 
-    def __init__(self, epoch: int) -> None:
-        self.epoch = epoch
+    def __init__(self, epoch: int, pool: TimedPool) -> None:
+        self.epoch, self.pool = epoch, pool
 
     def on_train_epoch_end(self, trainer, pl_module):
         if trainer.current_epoch == self.epoch:
+            self.pool.wait_for("request", self.epoch + 1)  # the test asserts that they came
             trainer.should_stop = True
 
 
@@ -106,7 +120,7 @@ def test_an_iteration_started_for_a_fit_that_then_stops_is_discarded_unbooked(in
         else HFRolloutPool(num_workers=1, threads_per_worker=1, colocated_threads=1)
     )
     module, data = make_components(pool=pool, prompts=2, group_size=2, micro_batch_size=4)
-    fit(module, data, iterations=5, callbacks=[StopAfterEpoch(1)])
+    fit(module, data, iterations=5, callbacks=[StopAfterEpoch(1, pool)])
     assert sorted(pool.times("sync_start")) == [0, 1, 2]  # θ_2 went out at epoch 1's end, before the stop
     assert 2 in pool.times("request")
     # iteration 2 never trained: not booked, its prompts not consumed, its version not the gate's last
