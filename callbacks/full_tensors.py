@@ -62,8 +62,7 @@ def full_tensors(module: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
             with deepspeed.zero.GatheredParameters([parameter], modifier_rank=None):
                 yield name, parameter.detach().clone()  # the gathered storage is freed when it is partitioned again
             continue
-        tensor = parameter.detach()  # the receiver copies values: it must not hold the autograd graph's leaves
-        yield name, tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
+        yield name, _whole(parameter)
 
 
 def fsdp1_units(module: torch.nn.Module) -> list[tuple[torch.nn.Module, list[tuple[str, torch.nn.Parameter]]]]:
@@ -115,6 +114,15 @@ def lora_adapter(module: torch.nn.Module) -> str:
     return next(iter(lora_layers(module).values())).active_adapters[0]
 
 
+def lora_adapter_tensors(module: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """``(name, whole detached tensor)`` of the active adapter's A and B in every LoRA layer of ``module``, under
+    the module's parameter names (a gather each under FSDP2: every rank must iterate to the end)."""
+    adapter = lora_adapter(module)
+    for name, parameter in module.named_parameters():
+        if ".lora_" in name and f".{adapter}." in name:
+            yield name, _whole(parameter)
+
+
 def lora_layers(module: torch.nn.Module) -> dict[str, torch.nn.Module]:
     """``{name: layer}`` of the LoRA layers (peft's: a ``base_layer`` and ``get_delta_weight``), in module order,
     found by shape so that this package needs no peft."""
@@ -124,19 +132,34 @@ def lora_layers(module: torch.nn.Module) -> dict[str, torch.nn.Module]:
 
 
 def _merged(module: torch.nn.Module, adapted: dict[str, torch.nn.Module]) -> Iterator[tuple[str, torch.Tensor]]:
-    """One device or DDP: base + (α / r) B A of each LoRA layer's active adapter, one layer at a time."""
+    """One device, DDP or FSDP2: base + (α / r) B A of each LoRA layer's active adapter, one layer at a time (under
+    FSDP2 the base, A and B are each gathered whole first)."""
     for name, parameter in module.named_parameters():
         if ".lora_" in name:
             continue
         owner, _, leaf = name.rpartition(".")
         layer_name = owner.removesuffix(".base_layer")
         layer = adapted.get(layer_name) if owner.endswith(".base_layer") else None
+        tensor = _whole(parameter)
         if layer is None:
-            yield name, parameter.detach()
+            yield name, tensor
             continue
-        tensor = parameter.detach()
         if leaf == "weight" and not layer.disable_adapters:
-            with torch.no_grad():
-                for adapter in layer.active_adapters:
-                    tensor = tensor + layer.get_delta_weight(adapter).to(tensor.dtype)
+            for adapter in layer.active_adapters:
+                tensor = tensor + lora_delta(layer, adapter).to(tensor.dtype)
         yield f"{layer_name}.{leaf}", tensor
+
+
+def lora_delta(layer: torch.nn.Module, adapter: str) -> torch.Tensor:
+    """(α / r) B A of ``adapter`` in a LoRA ``layer``, computed in float32 from whole A and B (peft's
+    ``get_delta_weight``, which reads the local tensors: under FSDP2, shards)."""
+    with torch.no_grad():
+        a = _whole(layer.lora_A[adapter].weight).float()
+        b = _whole(layer.lora_B[adapter].weight).float()
+        delta = (b @ a) * layer.scaling[adapter]
+    return delta.T if getattr(layer, "fan_in_fan_out", False) else delta
+
+
+def _whole(parameter: torch.Tensor) -> torch.Tensor:
+    tensor = parameter.detach()  # the receiver copies values: it must not hold the autograd graph's leaves
+    return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor

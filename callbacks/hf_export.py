@@ -9,7 +9,7 @@ import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
 
 from .contracts import HasPolicy, SavesPretrained, contract_problems, require
-from .full_tensors import full_tensors, has_lora_layers, is_sharded, lora_adapter
+from .full_tensors import full_tensors, has_lora_layers, is_sharded, lora_adapter, lora_adapter_tensors
 
 
 class HFExport(Callback):
@@ -25,12 +25,21 @@ class HFExport(Callback):
     (:class:`~lit_parl.callbacks.SavesPretrained`, any ``transformers.PreTrainedModel``). A ``tokenizer``
     attribute is optional; when present (not ``None``) it must have ``save_pretrained`` too.
 
-    Override ``export(pl_module, directory, state_dict=None)`` to save differently; under FSDP2 it is given the
-    gathered weights as ``state_dict`` (on one device or DDP, ``None``: the policy holds them whole).
+    A policy trained with LoRA adapters (peft's layers in it) is saved as its adapter, in ``<dirpath>/adapter`` as
+    peft saves one (``peft.PeftModel.from_pretrained(base, "<dirpath>/adapter")`` on the model the run started
+    from); with ``merge_lora`` the merged model (base + (α / r) B A, loadable with transformers alone) is written
+    to ``dirpath`` too.
+
+    Override ``export(pl_module, directory, state_dict=None)`` to save the model differently; under FSDP2 it is
+    given the gathered weights as ``state_dict`` (with LoRA, the merged ones; on one device or DDP without LoRA,
+    ``None``: the policy holds them whole). Override ``export_adapter(pl_module, directory, tensors)`` for the
+    adapter.
 
     Args:
         dirpath: the export directory. ``None``: ``<trainer.default_root_dir>/policy``.
         every_n_iterations: also export after every n-th epoch (``0``: only at the end).
+        merge_lora: with LoRA, also write the merged model (a second whole-model copy in CPU memory while it is
+            written); without LoRA the model is always written.
 
     Raises:
         TypeError: at fit start, when the LightningModule has no ``policy`` module, the policy no
@@ -55,11 +64,12 @@ class HFExport(Callback):
         'Qwen2ForCausalLM'
     """
 
-    def __init__(self, dirpath: str | None = None, every_n_iterations: int = 0) -> None:
+    def __init__(self, dirpath: str | None = None, every_n_iterations: int = 0, merge_lora: bool = False) -> None:
         if every_n_iterations < 0:
             raise ValueError(f"HFExport(every_n_iterations={every_n_iterations}) must be >= 0 (0: only when fit ends)")
         self.dirpath = dirpath
         self.every_n_iterations = every_n_iterations
+        self.merge_lora = merge_lora
         self.saved_to: Path | None = None  # the directory written last
 
     def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
@@ -82,14 +92,21 @@ class HFExport(Callback):
         """Write the policy (safetensors) and the tokenizer, if any, into ``directory`` (on global rank 0).
 
         ``state_dict``: the policy's full weights when a strategy shards them (gathered on every rank), or merged
-        when it trains LoRA adapters (which are also written to ``directory/adapter``, as peft saves them); ``None``:
-        the policy's own.
+        when it trains LoRA adapters; ``None``: the policy's own.
         """
         pl_module.policy.save_pretrained(
             directory, state_dict=state_dict
         )  # safetensors: the default of transformers >= 4.35
-        if has_lora_layers(pl_module.policy):  # the merged model above; the adapter alone, as peft loads it, here
-            save_adapter(pl_module.policy, directory / "adapter")
+        self._save_tokenizer(pl_module, directory)
+
+    def export_adapter(self, pl_module: LightningModule, directory: Path, tensors: dict[str, torch.Tensor]) -> None:
+        """Write the policy's trained LoRA adapter into ``directory`` as peft saves one, and the tokenizer, if any
+        (on global rank 0). ``tensors``: the adapter's whole tensors, under the policy's parameter names."""
+        save_adapter(pl_module.policy, directory, tensors)
+        self._save_tokenizer(pl_module, directory)
+
+    @staticmethod
+    def _save_tokenizer(pl_module: LightningModule, directory: Path) -> None:
         tokenizer = getattr(pl_module, "tokenizer", None)
         if tokenizer is not None:
             tokenizer.save_pretrained(directory)
@@ -106,35 +123,42 @@ class HFExport(Callback):
         return Path(self.dirpath) if self.dirpath else Path(trainer.default_root_dir) / "policy"
 
     def _export(self, trainer: Trainer, pl_module: LightningModule, directory: Path) -> None:
+        policy = pl_module.policy
+        # every rank below: each gather is a collective; the other ranks take part and keep nothing
+        adapter = None
+        if has_lora_layers(policy):
+            adapter = {name: tensor.cpu() for name, tensor in lora_adapter_tensors(policy)}
         state_dict = None
-        if is_sharded(pl_module.policy) or has_lora_layers(pl_module.policy):
-            # every rank: each gather is a collective; kept in CPU memory, one tensor at a time on the device (LoRA:
-            # the merged weights, under the base model's names: what transformers alone loads)
-            full = ((name, tensor.cpu()) for name, tensor in full_tensors(pl_module.policy))
+        if (adapter is None and is_sharded(policy)) or (adapter is not None and self.merge_lora):
+            # kept in CPU memory, one tensor at a time on the device (LoRA: the merged weights, under the base
+            # model's names: what transformers alone loads)
+            full = ((name, tensor.cpu()) for name, tensor in full_tensors(policy))
             if trainer.is_global_zero:
                 state_dict = dict(full)
             else:
-                for _ in full:  # the other ranks take part in each gather and keep nothing
+                for _ in full:
                     pass
         if not trainer.is_global_zero:
             return
-        if state_dict is None:  # whole weights: an override written for one device may take two arguments only
-            self.export(pl_module, directory)
-        else:
+        if adapter is not None:
+            self.export_adapter(pl_module, directory / "adapter", adapter)
+        if state_dict is not None:
             self.export(pl_module, directory, state_dict)
+        elif adapter is None:  # whole weights: an override written for one device may take two arguments only
+            self.export(pl_module, directory)
         self.saved_to = directory
 
 
-def save_adapter(model: torch.nn.Module, directory: Path) -> None:
-    """The active LoRA adapter of ``model`` (peft's layers injected into it) as peft saves one
-    (``adapter_config.json``, ``adapter_model.safetensors``), for ``peft.PeftModel.from_pretrained(base, directory)``
-    on the base model the run started from."""
+def save_adapter(model: torch.nn.Module, directory: Path, tensors: dict[str, torch.Tensor]) -> None:
+    """The active LoRA adapter of ``model`` (peft's layers injected into it; its whole ``tensors`` under the model's
+    parameter names) as peft saves one (``adapter_config.json``, ``adapter_model.safetensors``), for
+    ``peft.PeftModel.from_pretrained(base, directory)`` on the base model the run started from."""
     from peft import get_peft_model_state_dict
     from safetensors.torch import save_file
 
     directory.mkdir(parents=True, exist_ok=True)
     adapter = lora_adapter(model)
-    state = get_peft_model_state_dict(model, adapter_name=adapter)
+    state = get_peft_model_state_dict(model, state_dict=tensors, adapter_name=adapter)
     # a PeftModel's names: the model sits at base_model.model
     state = {f"base_model.model.{name}": tensor.detach().cpu().contiguous() for name, tensor in state.items()}
     save_file(state, directory / "adapter_model.safetensors", metadata={"format": "pt"})

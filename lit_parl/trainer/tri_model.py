@@ -47,8 +47,8 @@ def check_lora_strategy(lora: LoRASettings | None, adapter, strategy) -> None:
     """Refuse LoRA under a strategy whose adapter has not been made to run it (``supports_lora``)."""
     if lora is not None and not adapter.supports_lora:
         raise ValueError(
-            f"GRPOModule(lora=...) runs on one device or under DDP, not yet under {type(strategy).__name__}: "
-            "use trainer=ddp (or one device), or train the full weights (module.lora=null)"
+            f"GRPOModule(lora=...) runs on one device, under DDP or FSDP2, not yet under {type(strategy).__name__}: "
+            "use trainer=ddp or trainer=fsdp2 (or one device), or train the full weights (module.lora=null)"
         )
 
 

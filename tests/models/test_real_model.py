@@ -218,7 +218,7 @@ def test_lora_on_the_real_model_trains_its_adapters_and_the_pool_follows_the_mer
     )
     data = copy_task_data(model, tokenizer, shape, objective)
     before = {k: v for k, v in policy_state(module).items() if "lora_" not in k}
-    export = HFExport(dirpath=str(tmp_path / "policy"))
+    export = HFExport(dirpath=str(tmp_path / "policy"), merge_lora=True)
     trainer = fit(module, data, iterations=2, callbacks=[export])
     assert trainer.global_step == 4 and data.iterations_done == 2
     after = policy_state(module)

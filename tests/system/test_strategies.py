@@ -22,6 +22,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
 from helpers.multi_process import assert_same_policy
@@ -234,11 +235,14 @@ def test_the_cli_trains_under_fsdp2_in_one_run_directory(tmp_path):
         ]
 
 
-def test_lora_under_ddp_trains_the_single_process_update(tmp_path, single):
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp2"])
+def test_lora_at_two_ranks_trains_the_single_process_update(tmp_path, single, strategy):
     """LoRA adapters (lit_parl.models.lora) at 2 ranks: the merged policy the pool receives is one process's; the
-    frozen base holds gradients on no rank, so DDP averages the adapters' only."""
+    frozen base holds gradients on no rank, so DDP averages the adapters' only. Under FSDP2 the adapters are
+    sharded with their layers: θ_k's snapshot is copied shard by shard, the merge gathers base, A and B whole,
+    and the exported adapter is gathered too."""
     one = run(tmp_path / "single", "single", "--lora")
-    two = run(tmp_path / "ddp", "ddp", "--lora")
+    two = run(tmp_path / strategy, strategy, "--lora")
     assert_same_policy(two["policy"], one["policy"])
     assert sorted(samples(two)) == sorted(samples(one))
     moved = max(float((one["policy"][name] - tensor).abs().max()) for name, tensor in single["policy"].items())
@@ -246,3 +250,10 @@ def test_lora_under_ddp_trains_the_single_process_update(tmp_path, single):
     names = [name for name, _ in single["policy"].items()]
     for rank in two["ranks"]:  # the pool receives the merged weights under the model's own names
         assert all([name for name, *_ in sync["tensors"]] == names for sync in rank["syncs"])
+    adapters = [
+        load_file(out / "export" / "adapter" / "adapter_model.safetensors")
+        for out in (tmp_path / "single", tmp_path / strategy)
+    ]
+    assert adapters[0].keys() == adapters[1].keys() and len(adapters[0]) > 0
+    for name, tensor in adapters[0].items():  # whole tensors, one process's
+        torch.testing.assert_close(adapters[1][name], tensor, atol=1e-5, rtol=0)

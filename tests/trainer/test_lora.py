@@ -32,6 +32,8 @@ from lit_parl.callbacks.full_tensors import full_tensors
 from lit_parl.models import tiny_qwen2
 from lit_parl.models.lora import TRAINED, LoRASettings, adapter_parameters
 from lit_parl.rollout import HFRolloutPool
+from lit_parl.trainer.strategies.deepspeed_zero import DeepSpeedAdapter
+from lit_parl.trainer.strategies.fsdp1 import FSDP1Adapter
 from lit_parl.trainer.strategies.fsdp2 import FSDP2Adapter
 from lit_parl.trainer.tri_model import check_lora_strategy, frozen_logprobs
 
@@ -74,12 +76,16 @@ def lora_fit(options: dict, iterations: int = 2, packing: str = "shared_prompt",
 
 
 @pytest.mark.parametrize(
-    ("packing", "micro_batch_size"), [("shared_prompt", 4), ("padded", 4), ("shared_prompt", 8)], ids=str
+    ("packing", "micro_batch_size", "checkpointing"),
+    [("shared_prompt", 4, False), ("padded", 4, False), ("shared_prompt", 8, False), ("shared_prompt", 4, True)],
+    ids=str,
 )
-def test_a_lora_fit_equals_a_per_sample_reference_built_with_peft(packing, micro_batch_size):
+def test_a_lora_fit_equals_a_per_sample_reference_built_with_peft(packing, micro_batch_size, checkpointing):
     """β > 0 (θ_0: the adapters off) and two mini-batches x two passes (θ_k: the adapter snapshot), packed and padded,
-    at two micro-batch sizes: every adapter tensor matches the reference's after two iterations."""
+    at two micro-batch sizes, and with gradient checkpointing (the frozen base's activations recomputed; the
+    layers' inputs need no gradient): every adapter tensor matches the reference's after two iterations."""
     shape = {"mini_batches": 2, "passes": 2, "micro_batch_size": micro_batch_size}
+    shape |= {"gradient_checkpointing": True} if checkpointing else {}
     base, module, pool, recorder, twin, _ = lora_fit(KL_AND_STEPS, packing=packing, **shape)
     expected = reference_fit(twin, pool, recorder, KL_AND_STEPS, LR, SAMPLING.temperature)
     got = dict(adapter_parameters(module.policy, TRAINED))
@@ -105,7 +111,7 @@ def test_only_the_adapters_train_and_the_reference_is_the_base_model(tmp_path):
     module, datamodule = make_components(
         objective=GRPOObjective(beta=0.1), mini_batches=2, micro_batch_size=4, lora=LORA, lr=5e-2
     )
-    first, export = FirstBatch(), HFExport(dirpath=str(tmp_path / "export"))
+    first, export = FirstBatch(), HFExport(dirpath=str(tmp_path / "export"), merge_lora=True)
     trainer = fit(module, datamodule, 2, callbacks=[first, export])
     assert module.reference is None and module.old is None, "LoRA keeps no copy of the model"
     trained = {id(p) for _, p in adapter_parameters(module.policy, TRAINED)}
@@ -120,7 +126,7 @@ def test_only_the_adapters_train_and_the_reference_is_the_base_model(tmp_path):
         assert torch.equal(reference, module.completion_logprobs(base, batch)), "θ_0 is not the base model"
         adapted = module.completion_logprobs(module.policy, batch)
     assert not torch.allclose(adapted, reference), "the adapters did not move the policy: the test proves nothing"
-    # the export: the merged model, under the base model's names, loadable with transformers alone
+    # the export, merge_lora: the merged model, under the base model's names, loadable with transformers alone
     exported = AutoModelForCausalLM.from_pretrained(export.saved_to).eval()
     assert not any("lora_" in name or "base_layer" in name for name in exported.state_dict())
     with torch.no_grad():
@@ -143,6 +149,17 @@ def test_the_pool_loads_the_merged_weights_every_iteration():
 
 
 def test_lora_is_refused_under_a_strategy_not_made_for_it():
-    with pytest.raises(ValueError, match=r"GRPOModule\(lora=...\) runs on one device or under DDP, not yet under"):
-        check_lora_strategy(LORA, FSDP2Adapter(None), object())
-    check_lora_strategy(None, FSDP2Adapter(None), object())
+    for adapter in (FSDP1Adapter(None), DeepSpeedAdapter(None)):
+        with pytest.raises(ValueError, match=r"runs on one device, under DDP or FSDP2, not yet under"):
+            check_lora_strategy(LORA, adapter, object())
+        check_lora_strategy(None, adapter, object())
+    check_lora_strategy(LORA, FSDP2Adapter(None), object())
+
+
+def test_the_export_writes_the_adapter_and_the_merged_model_only_on_request(tmp_path):
+    module, datamodule = make_components(micro_batch_size=4, lora=LORA, lr=5e-2)
+    export = HFExport(dirpath=str(tmp_path / "export"))
+    fit(module, datamodule, 1, callbacks=[export])
+    assert (export.saved_to / "adapter" / "adapter_model.safetensors").exists()
+    assert (export.saved_to / "adapter" / "adapter_config.json").exists()
+    assert not list(export.saved_to.glob("*.safetensors")), "the merged model was written without merge_lora"

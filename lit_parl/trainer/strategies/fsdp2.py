@@ -57,7 +57,7 @@ def shard_for_logprobs(model: PreTrainedModel, mesh, frozen: bool = False) -> Sh
 class FSDP2Adapter(StrategyAdapter):
     """Each model sharded over the data-parallel mesh, computed through its root unit (``ShardedLogprobs``)."""
 
-    supports_lora = False  # peft's layers under this strategy's sharding: not tried yet
+    supports_lora = True  # adapters are sharded with their layer; full_tensors gathers base, A and B to merge
 
     def __init__(self, strategy=None) -> None:
         super().__init__(strategy)
