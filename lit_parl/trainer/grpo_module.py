@@ -149,9 +149,10 @@ class GRPOModule(LightningModule):
         self.gradient_checkpointing = gradient_checkpointing
         if gradient_checkpointing:  # the policy only, after the copies: θ_k and the reference keep no activations
             enable_checkpointing(policy)
-        # checkpoints leave out what the module rebuilds: θ_0 (from the initial model, checked against this) and,
-        # between iterations, θ_k (the policy at the iteration's start)
-        self._reference_fingerprint = fingerprint(self.reference) if self.reference is not None else None
+        # checkpoints leave out what the module rebuilds: θ_0 (from the initial model, checked against this: the
+        # reference, or with LoRA the policy's frozen base) and, between iterations, θ_k (the policy at its start)
+        theta_0 = self.policy if self.lora is not None else self.reference
+        self._reference_fingerprint = fingerprint(theta_0) if theta_0 is not None else None
         self.progress = IterationProgress(shape.optimizer_steps)  # where a checkpoint falls in the iteration
         self.train_intervals: list[tuple[float, float]] = []  # (start, end) monotonic, this iteration
         self.metrics = IterationMetrics()  # logged at each iteration's end
@@ -283,13 +284,13 @@ class GRPOModule(LightningModule):
         # inside an iteration θ_k is kept: a resume pushes it to the pool and trains the rest of the iteration against
         # it. Under FSDP2 nothing is left out: its loader fills the module's every key before this module sees the file.
         inside, sharded = self.progress.inside, is_sharded(self.policy)
-        leave_out(checkpoint, self._reference_fingerprint, inside_iteration=inside, keep_all=sharded)
+        leave_out(checkpoint, self._reference_fingerprint, inside, keep_all=sharded, lora=self.lora is not None)
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
         if "lit_parl_nonfinite" in checkpoint:  # checkpoints written before the guard existed have none
             self.guard.load_state_dict(checkpoint["lit_parl_nonfinite"])
         self.progress.load(checkpoint)
-        put_back(checkpoint, self.reference, has_old=self.old is not None)
+        put_back(checkpoint, self.reference, self.old is not None, self.policy if self.lora is not None else None)
 
     def on_train_start(self) -> None:
         # restored between iterations: θ_k is the policy (Lightning skips the epoch's start when the checkpoint came

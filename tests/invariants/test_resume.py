@@ -179,14 +179,48 @@ def test_the_last_checkpoint_of_a_finished_fit_resumes_a_longer_one(tmp_path):
     assert_same_policy(resumed, straight)
 
 
-def test_lora_resumes_inside_an_iteration_from_its_snapshot_adapter(tmp_path):
-    """With LoRA, θ_k is the snapshot adapter beside the trained one (lit_parl.models.lora): a fit resumed in
-    iteration 1's second pass pushes base + θ_k's adapter product, and ends on the uninterrupted weights."""
+def test_lora_checkpoints_hold_the_adapters_only_and_resume_exactly(tmp_path):
+    """With LoRA, θ_k is the snapshot adapter beside the trained one (lit_parl.models.lora), and the frozen base is
+    θ_0: a checkpoint holds the adapters and their optimizer state only (θ_k's adapter inside an iteration), and a
+    fit resumed at an iteration's end or in iteration 1's second pass (pushing base + θ_k's adapter product) ends on
+    the uninterrupted weights; a module built from another base is refused."""
     lora = {"rank": 4, "alpha": 8.0}
     straight, _, _ = run(tmp_path / "straight", lora=lora)
     run(tmp_path / "saved", save_every_step=True, lora=lora)
-    resumed, _, _ = run(tmp_path / "resumed", ckpt_path=str(tmp_path / "saved" / "step=6.ckpt"), lora=lora)
-    assert_same_policy(resumed, straight)
+    boundary = torch.load(tmp_path / "saved" / "step=4.ckpt", weights_only=False)["state_dict"]
+    inside = torch.load(tmp_path / "saved" / "step=6.ckpt", weights_only=False)["state_dict"]
+    assert boundary and all(".lora_" in name and ".default." in name for name in boundary), "the frozen base was saved"
+    assert {name for name in inside if ".theta_k." not in name} == set(boundary)
+    assert any(".theta_k." in name for name in inside), "θ_k's adapter is needed inside an iteration"
+    for step in (4, 6):
+        resumed, _, _ = run(
+            tmp_path / f"resumed{step}", ckpt_path=str(tmp_path / "saved" / f"step={step}.ckpt"), lora=lora
+        )
+        assert_same_policy(resumed, straight)
+    torch.manual_seed(0)
+    module, datamodule = make_components(
+        pool=InProcessPool(),
+        prompts=8,
+        group_size=4,
+        micro_batch_size=8,
+        mini_batches=2,
+        passes=2,
+        objective=GRPOObjective(beta=0.04),
+        seed=1,
+        lora=lora,
+        **sgd(0.5),
+    )  # another base model
+    trainer = lightning.Trainer(
+        accelerator="cpu",
+        max_epochs=ITERATIONS,
+        callbacks=[WeightSync()],
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    with pytest.raises(ValueError, match="another reference model"):
+        trainer.fit(module, datamodule=datamodule, ckpt_path=str(tmp_path / "saved" / "step=4.ckpt"))
 
 
 def assert_same_policy(module, expected) -> None:
