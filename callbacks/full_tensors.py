@@ -25,11 +25,13 @@ Example::
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 
 import torch
 
 FSDP1_PREFIX = "_fsdp_wrapped_module."  # what FSDP1 inserts in the names of the modules it wraps
+PEFT_PREFIX = "base_model.model."  # where a PeftModel keeps the model: its adapter files' names start so
 
 
 def _is_fsdp1(module: torch.nn.Module) -> bool:
@@ -116,11 +118,23 @@ def lora_adapter(module: torch.nn.Module) -> str:
 
 def lora_adapter_tensors(module: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
     """``(name, whole detached tensor)`` of the active adapter's A and B in every LoRA layer of ``module``, under
-    the module's parameter names (a gather each under FSDP2: every rank must iterate to the end)."""
+    peft's names (``base_model.model.<layer>.lora_A.weight``: what ``peft.PeftModel.from_pretrained`` and the
+    engines' adapter loaders read). A gather each under FSDP2: every rank must iterate to the end."""
     adapter = lora_adapter(module)
     for name, parameter in module.named_parameters():
         if ".lora_" in name and f".{adapter}." in name:
-            yield name, _whole(parameter)
+            yield f"{PEFT_PREFIX}{name.replace(f'.{adapter}.', '.')}", _whole(parameter)
+
+
+def lora_adapter_config(module: torch.nn.Module) -> dict:
+    """peft's config of ``module``'s active adapter, as ``adapter_config.json`` holds it (JSON types only)."""
+    config = module.peft_config[lora_adapter(module)].to_dict()
+    return json.loads(json.dumps(config, default=lambda value: sorted(value) if isinstance(value, set) else str(value)))
+
+
+def base_tensors(module: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """``full_tensors`` of a model with LoRA layers as if they had none: the frozen base, under its own names."""
+    yield from _merged(module, lora_layers(module), with_adapters=False)
 
 
 def lora_layers(module: torch.nn.Module) -> dict[str, torch.nn.Module]:
@@ -131,7 +145,9 @@ def lora_layers(module: torch.nn.Module) -> dict[str, torch.nn.Module]:
     }
 
 
-def _merged(module: torch.nn.Module, adapted: dict[str, torch.nn.Module]) -> Iterator[tuple[str, torch.Tensor]]:
+def _merged(
+    module: torch.nn.Module, adapted: dict[str, torch.nn.Module], with_adapters: bool = True
+) -> Iterator[tuple[str, torch.Tensor]]:
     """One device, DDP or FSDP2: base + (α / r) B A of each LoRA layer's active adapter, one layer at a time (under
     FSDP2 the base, A and B are each gathered whole first)."""
     for name, parameter in module.named_parameters():
@@ -144,7 +160,7 @@ def _merged(module: torch.nn.Module, adapted: dict[str, torch.nn.Module]) -> Ite
         if layer is None:
             yield name, tensor
             continue
-        if leaf == "weight" and not layer.disable_adapters:
+        if with_adapters and leaf == "weight" and not layer.disable_adapters:
             for adapter in layer.active_adapters:
                 tensor = tensor + lora_delta(layer, adapter).to(tensor.dtype)
         yield f"{layer_name}.{leaf}", tensor

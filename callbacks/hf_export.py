@@ -3,13 +3,14 @@ and every N iterations."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
 
 from .contracts import HasPolicy, SavesPretrained, contract_problems, require
-from .full_tensors import full_tensors, has_lora_layers, is_sharded, lora_adapter, lora_adapter_tensors
+from .full_tensors import full_tensors, has_lora_layers, is_sharded, lora_adapter_config, lora_adapter_tensors
 
 
 class HFExport(Callback):
@@ -150,16 +151,13 @@ class HFExport(Callback):
 
 
 def save_adapter(model: torch.nn.Module, directory: Path, tensors: dict[str, torch.Tensor]) -> None:
-    """The active LoRA adapter of ``model`` (peft's layers injected into it; its whole ``tensors`` under the model's
-    parameter names) as peft saves one (``adapter_config.json``, ``adapter_model.safetensors``), for
-    ``peft.PeftModel.from_pretrained(base, directory)`` on the base model the run started from."""
-    from peft import get_peft_model_state_dict
+    """The active LoRA adapter of ``model`` (peft's layers injected into it; its whole ``tensors`` under peft's
+    names, as ``lora_adapter_tensors`` gives them) as peft saves one (``adapter_config.json``,
+    ``adapter_model.safetensors``), for ``peft.PeftModel.from_pretrained(base, directory)`` on the base model the
+    run started from."""
     from safetensors.torch import save_file
 
     directory.mkdir(parents=True, exist_ok=True)
-    adapter = lora_adapter(model)
-    state = get_peft_model_state_dict(model, state_dict=tensors, adapter_name=adapter)
-    # a PeftModel's names: the model sits at base_model.model
-    state = {f"base_model.model.{name}": tensor.detach().cpu().contiguous() for name, tensor in state.items()}
+    state = {name: tensor.detach().cpu().contiguous() for name, tensor in tensors.items()}
     save_file(state, directory / "adapter_model.safetensors", metadata={"format": "pt"})
-    model.peft_config[adapter].save_pretrained(directory)
+    (directory / "adapter_config.json").write_text(json.dumps(lora_adapter_config(model), indent=2))

@@ -44,12 +44,13 @@ class SharedPush:
         self.strategy = strategy
         self.rank = rank
 
-    def push(self, receiver: SharedWeightReceiver, buckets: Iterator[WeightBucket], version: int) -> None:
-        """Load ``version`` on the receiver from rank 0; return on every rank once every rank holds it."""
+    def push(self, receiver: SharedWeightReceiver, buckets: Iterator[WeightBucket], version: int, load=None) -> None:
+        """Load ``version`` on the receiver from rank 0 (``load(buckets, version)``; ``None``: its
+        ``sync_weights``); return on every rank once every rank holds it."""
         failure: BaseException | None = None
         if self.rank == 0:
             try:
-                receiver.sync_weights(buckets, version)
+                (load or receiver.sync_weights)(buckets, version)
             except BaseException as error:  # noqa: BLE001 - said to the other ranks first, then raised
                 failure = error
         for _ in buckets:  # the rest of the reads (all of them off rank 0): each may be a collective

@@ -3,6 +3,8 @@ the gate."""
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import time
 from collections import deque
 from collections.abc import Iterable, Iterator
@@ -11,6 +13,7 @@ import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
 
 from .contracts import (
+    AdapterReceiver,
     HasPolicy,
     HasRolloutPool,
     IterationGate,
@@ -21,7 +24,7 @@ from .contracts import (
     require,
 )
 from .fit_end import is_last_epoch
-from .full_tensors import full_tensors
+from .full_tensors import base_tensors, full_tensors, has_lora_layers, lora_adapter_config, lora_adapter_tensors
 from .shared_push import SharedPush
 
 SYNCS_KEPT = 64  # sync intervals kept for readers such as PipelineTimeline (one per iteration)
@@ -65,6 +68,11 @@ class WeightSync(Callback):
       receiver takes it (``lit_parl.callbacks.full_tensors``); override it for a policy kept elsewhere or
       sharded another way.
     - ``buckets(named_tensors)``: how the tensors are grouped.
+
+    A policy with LoRA layers (``lit_parl.models.lora``) is pushed merged, base + (α / r) B A. A receiver that
+    loads adapters itself (:class:`~lit_parl.callbacks.AdapterReceiver` with ``takes_lora_adapters``: SGLang or
+    vLLM with ``sync.lora=adapter``) gets the frozen base once per fit (``sync_weights``, before the first
+    version), then each version's adapter alone (``sync_adapter``): a few MB instead of the model.
 
     Under several ranks every rank runs the push: the gathers are collectives. An embedded pool is one per
     rank (``shared_across_ranks`` false), and each rank pushes to its own. A receiver every rank reaches
@@ -126,6 +134,8 @@ class WeightSync(Callback):
         self._shared: SharedPush | None = None  # set at fit start when every rank reaches one receiver
         self._gate: IterationGate | None = None
         self._pushed_for_epoch: int | None = None
+        self._adapters = False  # the receiver loads the policy's LoRA adapters itself (set at fit start)
+        self._base_sent = False  # this fit pushed the frozen base under the adapters
 
     def policy_tensors(self, trainer: Trainer, pl_module: LightningModule) -> Iterable[tuple[str, torch.Tensor]]:
         """The named full tensors the receiver loads. Override for other module layouts or sharded strategies."""
@@ -211,6 +221,17 @@ class WeightSync(Callback):
                 "shared_across_ranks=False so that each rank pushes to its own receiver.",
             )
             self._shared = SharedPush(trainer.strategy, trainer.global_rank)
+        policy = getattr(pl_module, "policy", None)
+        self._adapters = getattr(self._receiver, "takes_lora_adapters", False) is True and has_lora_layers(policy)
+        if self._adapters:
+            require(
+                self._receiver,
+                AdapterReceiver,
+                owner="WeightSync",
+                role="its receiver, which says it loads LoRA adapters (takes_lora_adapters)",
+                fix="Give it `sync_adapter(buckets, config, version)`, or set takes_lora_adapters=False.",
+            )
+        self._base_sent = False
         # the gate is optional: without one, the datamodule does not wait for the weights
         self._gate = datamodule if datamodule is not None and not contract_problems(datamodule, IterationGate) else None
 
@@ -221,30 +242,50 @@ class WeightSync(Callback):
         if getattr(datamodule, "restored", False):
             version = getattr(datamodule, "resume_version", None)  # an iteration the checkpoint was written inside of
             if version is not None:
-                self._push(self.snapshot_tensors(trainer, pl_module), version)
+                self._push(trainer, pl_module, version, snapshot=True)
             else:
-                self._push(self.policy_tensors(trainer, pl_module), trainer.current_epoch)
+                self._push(trainer, pl_module, trainer.current_epoch)
             self._pushed_for_epoch = trainer.current_epoch
 
     def on_train_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         if self.push_early and not is_last_epoch(trainer):
-            self._push(self.policy_tensors(trainer, pl_module), trainer.current_epoch + 1)
+            self._push(trainer, pl_module, trainer.current_epoch + 1)
             self._pushed_for_epoch = trainer.current_epoch + 1
 
     def on_train_epoch_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         if self._pushed_for_epoch != trainer.current_epoch:  # not already pushed for this epoch by a resume
-            self._push(self.policy_tensors(trainer, pl_module), trainer.current_epoch)
+            self._push(trainer, pl_module, trainer.current_epoch)
         self._pushed_for_epoch = None
 
-    def _push(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
+    def _push(self, trainer: Trainer, pl_module: LightningModule, version: int, snapshot: bool = False) -> None:
+        """Load ``version`` on the receiver (``snapshot``: the iteration's starting weights), then open the gate."""
         start = time.monotonic()
-        if self._shared is None:
-            self._receiver.sync_weights(self.buckets(named_tensors), version)
+        if not self._adapters:
+            tensors = self.snapshot_tensors(trainer, pl_module) if snapshot else self.policy_tensors(trainer, pl_module)
+            self._send(self._receiver.sync_weights, tensors, version)
         else:
-            self._shared.push(self._receiver, self.buckets(named_tensors), version)
+            policy = pl_module.policy
+            if not self._base_sent:  # the engines' base, once: from then on they load the adapters beside it
+                self._send(self._receiver.sync_weights, base_tensors(policy), version)
+                self._base_sent = True
+            # θ_k's adapter, when resuming inside an iteration of a module that keeps one
+            holding = getattr(pl_module, "holding_theta_k", lambda: None)() if snapshot else None
+            config = lora_adapter_config(policy)
+            send = functools.partial(_call_with_config, self._receiver.sync_adapter, config)
+            self._send(send, _read_within(holding or contextlib.nullcontext(), lora_adapter_tensors(policy)), version)
         if self._gate is not None:
             self._gate.open_iteration(version)
         self.sync_intervals.append((start, time.monotonic()))
+
+    def _send(self, load, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
+        if self._shared is None:
+            load(self.buckets(named_tensors), version)
+        else:
+            self._shared.push(self._receiver, self.buckets(named_tensors), version, load)
+
+
+def _call_with_config(sync_adapter, config: dict, buckets: Iterable[WeightBucket], version: int) -> None:
+    sync_adapter(buckets, config, version)
 
 
 def _read_within(context, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:

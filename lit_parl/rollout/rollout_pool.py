@@ -198,16 +198,20 @@ class RolloutPool(ABC):
     @final
     def sync_weights(self, buckets: Iterable[WeightBucket], version: int) -> None:
         """Push the weights in ``buckets`` as policy ``version``; return once every worker confirmed it."""
-        self._require_started("sync_weights")
+        self._push("sync_weights", self._sync_weights, buckets, version)
+
+    def _push(self, doing: str, load, buckets: Iterable[WeightBucket], version: int) -> None:
+        """``load(buckets, version)``, after which every worker holds ``version`` (a push's one bookkeeping)."""
+        self._require_started(doing)
         if not isinstance(version, int) or version < 0:
-            raise ValueError(f"sync_weights(version={version!r}): a version is an int >= 0")
+            raise ValueError(f"{doing}(version={version!r}): a version is an int >= 0")
         if self.joined:
             raise RuntimeError(
                 f"this {type(self).__name__} joined a pool another rank started: that rank pushes the weights "
                 f"(version {version} was not pushed from here; WeightSync pushes from rank 0 under several ranks)"
             )
         self._version = None  # nothing may be generated until every worker confirmed the new version
-        self._sync_weights(buckets, version)
+        load(buckets, version)
         self._version = version
 
     @final

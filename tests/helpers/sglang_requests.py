@@ -151,6 +151,18 @@ BODIES: dict[str, dict[str, tuple[Check, bool]]] = {
         "selector": (SELECTOR, False),
     },
     "/destroy_weights_update_group": {"group_name": (_str, False)},
+    "/load_lora_adapter_from_tensors": {
+        "lora_name": (_str, True),
+        "config_dict": (lambda v: isinstance(v, dict), True),
+        "serialized_named_tensors": (_list(_base64), True),
+        "pinned": (_bool, False),
+        "added_tokens_config": (_optional(lambda v: isinstance(v, dict)), False),
+        "lora_id": (_optional(_str), False),
+        "load_format": (_optional(_str), False),
+        "expected_checksums": (_optional(lambda v: isinstance(v, dict)), False),
+    },
+    "/unload_lora_adapter": {"lora_name": (_str, True), "lora_id": (_optional(_str), False)},
+    "/update_weight_version": {"new_version": (_str, True), "abort_all_requests": (_bool, False)},
     "/pause_generation": {"mode": (_one_of("abort", "retract", "in_place"), False)},
     "/begin_weight_update": {"selector": (SELECTOR, False)},
 }
@@ -176,6 +188,9 @@ def generate_problem(body) -> str | None:
         return "Either text, input_ids or input_embeds should be provided."
     if "return_logprob" in body and not (_bool(body["return_logprob"]) or _list(_bool)(body["return_logprob"])):
         return "return_logprob must be a boolean"
+    lora = body.get("lora_path")
+    if not (lora is None or _str(lora) or _list(_optional(_str))(lora)):
+        return "lora_path must be a string, a list of strings (or nulls), or null"
     params = body.get("sampling_params") or {}
     for p in params if isinstance(params, list) else [params]:
         problem = sampling_problem(p)

@@ -11,7 +11,8 @@ with ``output_ids`` and ``meta_info.output_token_logprobs`` / ``finish_reason`` 
 ``/begin_weight_update``, ``/end_weight_update``, ``/update_weights_from_disk``,
 ``/update_weights_from_tensor``, ``/init_weights_update_group``, ``/update_weights_from_distributed`` (gloo
 here, NCCL in SGLang), ``/destroy_weights_update_group``, ``/pause_generation``, ``/continue_generation``,
-``/flush_cache``.
+``/flush_cache``, and LoRA adapters (``--enable-lora``; ``/load_lora_adapter_from_tensors``,
+``/unload_lora_adapter``, ``/update_weight_version``, ``/generate``'s ``lora_path``: ``sglang_standin_lora``).
 
 The weight-update API of current SGLang (0.5.23): no ``/get_weight_version`` route; tensor and distributed
 updates refused (HTTP 400, ``success: false``) outside a session opened by ``/begin_weight_update`` and
@@ -70,6 +71,7 @@ from sglang_requests import (  # noqa: E402, F401 - the contract tests read the 
     body_problem,
     generate_problem,
 )
+from sglang_standin_lora import Adapters, check_lora_args  # noqa: E402
 
 from lit_parl.rollout.weight_transfer import (
     deserialize_named_tensors,
@@ -106,6 +108,7 @@ class StandIn:
         self.group_name = None
         self.in_session = False  # between /begin_weight_update and /end_weight_update
         self.lock = asyncio.Lock()  # one model call at a time, like a scheduler's batch
+        self.adapters = Adapters(args)
 
     # -- generation ------------------------------------------------------------------------------------
     async def generate(self, request: web.Request) -> web.Response:
@@ -123,8 +126,14 @@ class StandIn:
         params = body.get("sampling_params", {})
         params = params if isinstance(params, list) else [params] * len(prompts)
         refused = self._refused(params)
+        adapter = body.get("lora_path")
+        if isinstance(adapter, list):  # one per prompt: the pool sends one prompt per request
+            adapter = adapter[0]
+        if adapter is not None and adapter not in self.adapters.loaded:
+            refused = f"LoRA adapter {adapter} is not loaded"
         if refused:
             return web.json_response({"error": {"message": refused}}, status=400)  # SGLang's answer to a ValueError
+        model = self.model if adapter is None else self.adapters.model(self.model, adapter)
         outputs = []
         async with self.lock:
             self.running += 1
@@ -138,8 +147,11 @@ class StandIn:
                         else None
                     )
                     seeds = [seed + k if seed is not None else int(torch.randint(0, 2**62, ())) for k in range(n)]
-                    self._journal(event="generate", version=self.weight_version, prompt=prompt, seeds=seeds)
-                    outputs += await asyncio.to_thread(self._sample, prompt, p, seeds, bool(body.get("return_logprob")))
+                    self._journal(
+                        event="generate", version=self.weight_version, prompt=prompt, seeds=seeds, adapter=adapter
+                    )
+                    logprobs = bool(body.get("return_logprob"))
+                    outputs += await asyncio.to_thread(self._sample, model, prompt, p, seeds, logprobs)
             finally:
                 self.running -= 1
         return web.json_response(outputs if batched or len(outputs) > 1 else outputs[0])
@@ -155,7 +167,7 @@ class StandIn:
                 )
         return None
 
-    def _sample(self, prompt: list[int], p: dict, seeds: list[int], return_logprob: bool) -> list[dict]:
+    def _sample(self, model, prompt: list[int], p: dict, seeds: list[int], return_logprob: bool) -> list[dict]:
         stops = list(p.get("stop_token_ids") or [])
         strings = p.get("stop") or []
         strings = [strings] if isinstance(strings, str) else list(strings)
@@ -180,13 +192,13 @@ class StandIn:
             stop_token_ids=tuple(stops[1:]),
             stop=tuple(strings),
         )
-        eos = stops[0] if stops else self.model.config.eos_token_id
+        eos = stops[0] if stops else model.config.eos_token_id
         request = GroupRequest(prompt_id=0, prompt_tokens=tuple(prompt), version=0, seeds=tuple(seeds))
-        (sampled,) = list(sample_groups(self.model, [request], sampling, eos, eos, self.tokenizer))
+        (sampled,) = list(sample_groups(model, [request], sampling, eos, eos, self.tokenizer))
         outputs = []
         for tokens, logprobs in zip(sampled.completions, sampled.logprobs):
             if self.original_logprob:
-                logprobs = self._logprobs_before_temperature(prompt, tokens)
+                logprobs = self._logprobs_before_temperature(model, prompt, tokens)
             text = self.tokenizer.decode(tokens, skip_special_tokens=True) if strings else ""
             matched = next(
                 (s for s in strings if s in text), tokens[-1]
@@ -208,8 +220,8 @@ class StandIn:
         return outputs
 
     @torch.no_grad()
-    def _logprobs_before_temperature(self, prompt: list[int], tokens: list[int]) -> list[float]:
-        logits = self.model(torch.tensor([prompt + tokens])).logits[0, len(prompt) - 1 : -1].float()
+    def _logprobs_before_temperature(self, model, prompt: list[int], tokens: list[int]) -> list[float]:
+        logits = model(torch.tensor([prompt + tokens])).logits[0, len(prompt) - 1 : -1].float()
         return logits.log_softmax(-1).gather(-1, torch.tensor(tokens)[:, None])[:, 0].tolist()
 
     # -- weights ---------------------------------------------------------------------------------------
@@ -225,6 +237,7 @@ class StandIn:
         with torch.no_grad():
             for name, tensor in named:
                 parameters[name].copy_(tensor)
+        self.adapters.base_changed()
         if version is not None and not self.args.stale_version:
             self.weight_version = version
 
@@ -267,6 +280,8 @@ class StandIn:
                 "tp_size": self.args.tp_size,
                 "enable_deterministic_inference": self.args.enable_deterministic_inference,
                 "dtype": self.args.dtype,
+                "enable_lora": self.args.enable_lora,
+                "max_lora_rank": self.args.max_lora_rank,
             }
         )
 
@@ -338,6 +353,30 @@ class StandIn:
         self._load(await asyncio.to_thread(receive), body.get("weight_version"))
         return web.json_response({"success": True, "message": "ok"})
 
+    # -- LoRA adapters (SGLang answers with LoRAUpdateOutput) -------------------------------------------
+    def _lora_answer(self, refused: str | None) -> web.Response:
+        loaded = {name: "__tensor__" for name in self.adapters.loaded}
+        body = {"success": refused is None, "error_message": refused, "loaded_adapters": loaded}
+        return web.json_response(body, status=400 if refused else 200)
+
+    async def load_adapter(self, request: web.Request) -> web.Response:
+        body = await request.json()
+        refused = self.adapters.load(body)
+        if refused is None:
+            _, tensors = self.adapters.loaded[body["lora_name"]]
+            shapes = [[n, list(t.shape)] for n, t in tensors.items()]
+            self._journal(event="load_adapter", name=body["lora_name"], tensors=shapes)
+        return self._lora_answer(refused)
+
+    async def unload_adapter(self, request: web.Request) -> web.Response:
+        return self._lora_answer(self.adapters.unload((await request.json())["lora_name"]))
+
+    async def update_weight_version(self, request: web.Request) -> web.Response:
+        body = await request.json()
+        if not self.args.stale_version:
+            self.weight_version = body["new_version"]
+        return web.json_response({"success": True, "message": "ok", "new_version": body["new_version"]})
+
     async def get_weight_version(self, request: web.Request) -> web.Response:
         return web.json_response({"weight_version": self.weight_version})
 
@@ -384,6 +423,11 @@ def main() -> None:
     parser.add_argument("--mem-fraction-static", type=float, default=None)
     parser.add_argument("--dtype", default="auto", choices=["auto", *DTYPES])
     parser.add_argument("--enable-deterministic-inference", action="store_true")
+    parser.add_argument("--enable-lora", action="store_true")
+    parser.add_argument("--max-lora-rank", type=int, default=None)
+    parser.add_argument("--lora-target-modules", nargs="*", default=None)
+    parser.add_argument("--max-loras-per-batch", type=int, default=8)
+    parser.add_argument("--max-loaded-loras", type=int, default=None)
     parser.add_argument("--die-after-generates", type=int, default=None)
     parser.add_argument("--die-at-version", default=None, help="count only /generate calls at this weight version")
     parser.add_argument("--malformed", action="store_true")
@@ -395,6 +439,9 @@ def main() -> None:
         "--legacy-api", action="store_true", help="an SGLang before weight-update sessions and /model_info's version"
     )
     args = parser.parse_args()  # an unknown flag exits with code 2, as SGLang's own parser makes it
+    refused = check_lora_args(args)
+    if refused:
+        sys.exit(f"stand-in: {refused}")  # SGLang's ServerArgs check: the server does not start
     if args.exit_at_start:
         print("stand-in: exiting at start as asked", flush=True)
         sys.exit(3)
@@ -418,6 +465,9 @@ def main() -> None:
     app.router.add_post("/pause_generation", server.pause)
     app.router.add_post("/continue_generation", server.resume)
     app.router.add_post("/flush_cache", server.flush_cache)
+    app.router.add_post("/load_lora_adapter_from_tensors", server.load_adapter)
+    app.router.add_post("/unload_lora_adapter", server.unload_adapter)
+    app.router.add_post("/update_weight_version", server.update_weight_version)
     web.run_app(app, host=args.host, port=args.port, print=None)
 
 

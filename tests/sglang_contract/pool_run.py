@@ -4,7 +4,9 @@
 (``tests/helpers/sglang_standin.py``): a launched server (``tp_size=2``) synced by ``tensor`` twice and generating
 with every kind of sampling the pool supports (temperature > 0, greedy, top-k / top-p with stop tokens and
 stop strings), then two pools attached to it, synced by ``disk`` and by ``distributed`` (gloo here: NCCL
-needs GPUs). The pool's ``HTTPClient._request`` is wrapped, in this process only and for this run only:
+needs GPUs), then a launched server (``tp_size=2``) that takes LoRA adapters (``sync.lora=adapter``): the base
+once, then two versions' adapters alone, each generating. The pool's ``HTTPClient._request`` is wrapped, in this
+process only and for this run only:
 each request is recorded as sent, and each ``POST`` is handed to SGLang's own HTTP front end
 (``sglang_side.ServerSide``) before it goes to the stand-in, while the tensors a tensor update points to
 are still alive. Nothing of lit_parl or the stand-in is modified.
@@ -25,7 +27,9 @@ from urllib.parse import urlsplit
 
 import torch
 
+from lit_parl.callbacks.full_tensors import lora_adapter_config, lora_adapter_tensors
 from lit_parl.models import tiny_qwen2
+from lit_parl.models.lora import LoRASettings, add_lora
 from lit_parl.rollout import PoolSpec
 from lit_parl.rollout.records import GroupRequest, SamplingParams, sample_seed
 from lit_parl.rollout.sglang import SGLangRolloutPool, SyncSettings
@@ -74,6 +78,7 @@ class Run:
 
     sent: list[Sent] = field(default_factory=list)
     weights: dict[int, dict[str, torch.Tensor]] = field(default_factory=dict)  # version -> the parameters synced
+    adapters: dict[int, tuple[dict, dict[str, torch.Tensor]]] = field(default_factory=dict)  # version -> config, A/B
     sync_methods: dict[int, str] = field(default_factory=dict)  # version -> method
     requests: dict[str, list[GroupRequest]] = field(default_factory=dict)  # generate phase -> its requests
     eos_id: int = -1
@@ -152,6 +157,21 @@ def run_pools(spec: PoolSpec, server_side: ServerSide) -> Run:
         pool.sync_weights([named[i : i + 5] for i in range(0, len(named), 5)], version=version)
         assert pool.version == version
 
+    def sync_adapter(pool: SGLangRolloutPool, version: int) -> None:
+        """An adapter built as the trainer builds one (peft's layers on the tiny model), its B drawn (B = 0 at the
+        start), sent as ``WeightSync`` sends it: peft's names and config."""
+        model, _ = tiny_qwen2(seed=0)
+        add_lora(model, LoRASettings(rank=4, alpha=8.0))
+        with torch.no_grad():
+            for name, parameter in model.named_parameters():
+                if ".lora_B." in name:
+                    parameter.normal_(std=0.1, generator=torch.Generator().manual_seed(version))
+        tensors = {name: t.clone() for name, t in lora_adapter_tensors(model)}
+        run.adapters[version] = (lora_adapter_config(model), tensors)
+        run.phase = f"adapter:{version}"
+        pool.sync_adapter([list(tensors.items())], lora_adapter_config(model), version=version)
+        assert pool.version == version
+
     def generate(pool: SGLangRolloutPool, name: str) -> None:
         phase = f"generate:{name}:{pool.version}"
         requests = group_requests(pool.version)
@@ -191,4 +211,19 @@ def run_pools(spec: PoolSpec, server_side: ServerSide) -> Run:
         finally:
             run.phase = "close"
             launched.close()
+        run.phase = "start"
+        adapted = SGLangRolloutPool(
+            servers={"tp_size": TP_SIZE},
+            launch={"command": STANDIN, "port": free_port(), "start_timeout_s": 180},
+            sync={"method": "tensor", "lora": "adapter", "max_lora_rank": 8},
+        )
+        adapted.start(spec)
+        try:
+            sync(adapted, 4)  # the base
+            for version in (5, 6):
+                sync_adapter(adapted, version)
+                generate(adapted, "sampled")
+        finally:
+            run.phase = "close"
+            adapted.close()
     return run

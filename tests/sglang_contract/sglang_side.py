@@ -95,8 +95,8 @@ class Verdict:
         request_class: the class FastAPI decoded the body into (``None`` if decoding failed).
         fields: the decoded request's fields (``serialized_named_tensors`` left out: see ``ranks``).
         sampling: ``/generate``: the fields of SGLang's ``SamplingParams`` after ``normalize`` and ``verify``.
-        ranks: ``/update_weights_from_tensor``: ``torch.save`` bytes of each TP rank's deserialized
-            ``[(name, tensor)]``, or the deserializer's error for that rank.
+        ranks: ``/update_weights_from_tensor`` and ``/load_lora_adapter_from_tensors``: ``torch.save`` bytes of each TP
+            rank's deserialized ``[(name, tensor)]``, or the deserializer's error for that rank.
     """
 
     status: int
@@ -174,6 +174,41 @@ class StubTokenizerManager:
         failed = [r for r in ranks if isinstance(r, str)]
         return (not failed, "ok" if not failed else f"deserialization failed: {failed[0]}")
 
+    async def load_lora_adapter_from_tensors(self, obj, request=None):
+        import torch
+        from sglang.srt.lora.lora_config import LoRAConfig
+        from sglang.srt.managers.io_struct import LoRAUpdateOutput
+        from sglang.srt.utils.common import MultiprocessingSerializer, normalize_serialized_named_tensor_payloads
+        from sglang.srt.utils.patch_torch import monkey_patch_torch_reductions
+
+        ranks: list[bytes | str] = []
+        self.seen = (obj, None, ranks)
+        LoRAConfig.from_dict(obj.config_dict)  # lora_config.py:35-45: reads target_modules, r and lora_alpha
+        for payload in normalize_serialized_named_tensor_payloads(obj.serialized_named_tensors):
+            # tp_worker.py:217-230 (TpModelWorker.load_lora_adapter_from_tensors): each rank deserializes its own
+            # payload, a {name: tensor} dict, handed to the LoRA manager as such
+            try:
+                monkey_patch_torch_reductions()
+                tensors = MultiprocessingSerializer.deserialize(payload)
+                if not isinstance(tensors, dict):
+                    raise TypeError(f"the payload is a {type(tensors).__name__}, not the {{name: tensor}} dict")
+                buffer = io.BytesIO()
+                torch.save([(name, tensor.clone()) for name, tensor in tensors.items()], buffer)
+                ranks.append(buffer.getvalue())
+            except Exception as error:  # noqa: BLE001 - the worker answers the failure; the verdict says which
+                ranks.append(f"{type(error).__name__}: {error}")
+        failed = [r for r in ranks if isinstance(r, str)]
+        return LoRAUpdateOutput(success=not failed, error_message=failed[0] if failed else None, loaded_adapters={})
+
+    async def unload_lora_adapter(self, obj, request=None):
+        from sglang.srt.managers.io_struct import LoRAUpdateOutput
+
+        self.seen = (obj, None, [])
+        return LoRAUpdateOutput(success=True, loaded_adapters={})
+
+    async def update_weight_version(self, obj):
+        self.seen = (obj, None, [])
+
     async def update_weights_from_disk(self, obj, request=None):
         self.seen = (obj, None, [])
         return True, "ok", 0
@@ -248,9 +283,8 @@ class FrontEnd:
                         k: v for k, v in msgspec.structs.asdict(obj).items() if k != "serialized_named_tensors"
                     }
                 else:  # GenerateReqInput is a dataclass
-                    verdict.fields = {
-                        k: getattr(obj, k) for k in ("input_ids", "text", "return_logprob", "stream", "rid")
-                    }
+                    names = ("input_ids", "text", "return_logprob", "stream", "rid", "lora_path")
+                    verdict.fields = {k: getattr(obj, k) for k in names}
             if params is not None:
                 verdict.sampling = msgspec.structs.asdict(params)
             verdict.ranks = list(ranks)

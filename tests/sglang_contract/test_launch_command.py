@@ -33,6 +33,7 @@ from sglang.srt.utils.msgspec_utils import msgspec_to_builtins  # noqa: E402
 from sglang_router.launch_router import parse_router_args  # noqa: E402
 
 from lit_parl.rollout.sglang import LaunchSettings, SGLangRolloutPool  # noqa: E402
+from lit_parl.rollout.sglang.adapters import lora_launch_args  # noqa: E402
 from lit_parl.rollout.sglang.servers import Server, router_command, server_command, warn_unseeded  # noqa: E402
 from lit_parl.rollout.sglang.settings import SERVER_DTYPES  # noqa: E402
 from sglang_contract.pool_run import free_port  # noqa: E402
@@ -105,6 +106,21 @@ def test_deterministic_inference_reaches_server_args_and_server_info_where_the_p
         warn_unseeded(Client(), [Server(url="http://sglang:30000")])
     named = [w for w in caught if "do not report --enable-deterministic-inference" in str(w.message)]
     assert len(named) == (0 if deterministic else 1)
+
+
+def test_the_lora_flags_pass_sglangs_own_lora_check():
+    """``sync.lora=adapter``: the launched server's LoRA flags parse and pass ``check_lora_server_args`` (which
+    refuses ``--enable-lora`` without a rank and target modules, and fewer loaded adapters than per batch)."""
+    from sglang.srt.arg_groups.lora_hook import check_lora_server_args
+
+    extra = lora_launch_args(8)
+    command = server_command(LaunchSettings(command=["sglang"]), "/models/policy", 30000, 1, True, extra)
+    args = prepare_server_args(command[1:])
+    check_lora_server_args(args)
+    assert args.enable_lora and args.max_lora_rank == 8 and args.lora_target_modules == ["all"]
+    assert args.max_loaded_loras >= 2 > args.max_loras_per_batch  # the next version loads before the last unloads
+    with pytest.raises((AssertionError, ValueError)):  # the stand-in refuses the same
+        check_lora_server_args(prepare_server_args(["--model-path", "m", "--enable-lora"]))
 
 
 def test_the_pools_dtypes_and_flags_are_sglangs():

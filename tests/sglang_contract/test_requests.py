@@ -11,7 +11,8 @@ health checks, server info, generation of every kind, and syncs by ``tensor`` (`
   weight-update structs of ``managers/io_struct.py``), and ``/generate``'s ``sampling_params`` pass SGLang's
   ``SamplingParams`` with its ``normalize`` and ``verify``, meaning what the pool means;
 * SGLang's deserializer (``MultiprocessingSerializer`` with its ``SafeUnpickler``, in another process, as a TP
-  worker runs it): each tensor update carries one payload per TP rank, each giving exactly the synced tensors.
+  worker runs it): each tensor update carries one payload per TP rank, each giving exactly the synced tensors;
+  each LoRA adapter (``sync.lora=adapter``) too, as the ``{name: tensor}`` dict its LoRA manager takes.
 """
 
 from __future__ import annotations
@@ -43,6 +44,9 @@ ROUTES = {
     ("POST", "/init_weights_update_group"): "InitWeightsUpdateGroupReqInput",
     ("POST", "/update_weights_from_distributed"): "UpdateWeightsFromDistributedReqInput",
     ("POST", "/destroy_weights_update_group"): "DestroyWeightsUpdateGroupReqInput",
+    ("POST", "/load_lora_adapter_from_tensors"): "LoadLoRAAdapterFromTensorsReqInput",
+    ("POST", "/unload_lora_adapter"): "UnloadLoRAAdapterReqInput",
+    ("POST", "/update_weight_version"): "UpdateWeightVersionReqInput",
 }
 
 
@@ -82,7 +86,7 @@ def test_generate_requests_mean_in_sglangs_sampling_params_what_the_pool_means(r
     top-k and top-p, log-probs requested, the stop token kept: read from SGLang's ``SamplingParams`` after its
     ``__post_init__``, ``normalize`` and ``verify``."""
     assert set(run.requests) == {f"generate:{name}:0" for name in SAMPLINGS} | {
-        f"generate:sampled:{v}" for v in (1, 2, 3)
+        f"generate:sampled:{v}" for v in (1, 2, 3, 5, 6)
     }
     for phase, requests in run.requests.items():
         sampling = SAMPLINGS[phase.split(":")[1]]
@@ -227,3 +231,45 @@ def test_the_trainer_applies_sglangs_own_cuda_ipc_patch_before_pickling_cuda_wei
         [sys.executable, "-c", check], cwd=Path(__file__).parents[1], capture_output=True, text=True, timeout=300
     )
     assert done.returncode == 0, done.stderr[-2000:]
+
+
+def test_adapter_syncs_load_each_versions_adapter_as_sglang_reads_one(run):
+    """``sync.lora=adapter``: per version, ``/load_lora_adapter_from_tensors`` under the version's own name, with
+    peft's config as SGLang's ``LoRAConfig`` reads it (rank, alpha, the target modules it normalizes to), one
+    payload per TP rank that SGLang's deserializer turns into exactly the adapter's tensors, each named where
+    SGLang places it (a layer index, ``lora_A``/``lora_B``); then the previous version's adapter unloaded, the
+    version set (loading an adapter leaves it) and read back; every ``/generate`` of that version names the
+    adapter in ``lora_path``."""
+    from sglang.srt.layers.utils.common import get_layer_id
+    from sglang.srt.lora.lora_config import LoRAConfig
+    from sglang.srt.lora.utils import get_normalized_target_modules
+
+    load, unload = "/load_lora_adapter_from_tensors", "/unload_lora_adapter"
+    for version in (5, 6):
+        phase = f"adapter:{version}"
+        order = [s.path for s in run.where(phase=phase)]
+        assert order == [load, *([unload] if version == 6 else []), "/update_weight_version", "/model_info"]
+        name = f"lit_parl-v{version}"
+        (sent,) = run.where("POST", load, phase)
+        fields = sent.verdict.fields
+        assert fields["lora_name"] == name and not fields["pinned"] and fields["load_format"] is None
+        config = LoRAConfig.from_dict(fields["config_dict"])
+        assert (config.r, config.lora_alpha, config.use_dora) == (4, 8.0, False)
+        normalized = get_normalized_target_modules(config.target_modules)
+        assert normalized == {"qkv_proj", "o_proj", "gate_up_proj", "down_proj"}  # every linear layer of Qwen2
+        expected = run.adapters[version][1]
+        ranks = sent.verdict.rank_tensors()
+        assert len(sent.body["serialized_named_tensors"]) == TP_SIZE == len(ranks)
+        for rank, named in enumerate(ranks):
+            assert [n for n, _ in named] == list(expected), f"TP rank {rank}"
+            assert all(torch.equal(t, expected[n]) for n, t in named), f"TP rank {rank}"
+        for tensor_name in expected:
+            assert get_layer_id(tensor_name) is not None and ("lora_A" in tensor_name) != ("lora_B" in tensor_name)
+        if version == 6:
+            assert run.where("POST", unload, phase)[0].verdict.fields["lora_name"] == "lit_parl-v5"
+        (stamp,) = run.where("POST", "/update_weight_version", phase)
+        fields = stamp.verdict.fields
+        assert (fields["new_version"], fields["abort_all_requests"]) == (str(version), False)
+        generates = run.where("POST", "/generate", f"generate:sampled:{version}")
+        assert generates and all(s.verdict.fields["lora_path"] == name for s in generates)
+    assert all(s.verdict.fields["lora_path"] is None for s in run.where("POST", "/generate", "generate:sampled:4"))

@@ -126,6 +126,27 @@ def probe(path: str, body, probe_id: str, before=(), after=(), why: str = ""):
 
 PROBES = [
     probe("/generate", GENERATE, "generate-valid"),
+    probe(
+        "/generate",
+        {**GENERATE, "lora_path": 5},
+        "generate-lora-path-a-number",
+        why=refused("GenerateReqInput.lora_path is Optional[Union[List[Optional[str]], str]] (io_struct.py:277)"),
+    ),
+    probe(
+        "/load_lora_adapter_from_tensors",
+        {"config_dict": {}, "serialized_named_tensors": []},
+        "load-adapter-without-a-name",
+        why=refused(STRUCT),
+    ),
+    probe("/unload_lora_adapter", {}, "unload-adapter-without-a-name", why=refused(STRUCT)),
+    probe("/update_weight_version", {"new_version": 3}, "weight-version-a-number", why=refused(STRUCT)),
+    probe(
+        "/update_weight_version",
+        {"new_version": "3", "abort_all_requests": False},
+        "weight-version-valid",
+        after=[("/update_weight_version", {"new_version": "default"})],
+        why=accepted("http_server.py:1527, update_weight_version"),
+    ),
     probe("/generate", {**GENERATE, "foo": 1}, "generate-unknown-top-level-key"),
     probe("/generate", generate(stop="x"), "generate-stop-as-a-string"),
     probe("/generate", generate(seed=1), "generate-unknown-sampling-param"),

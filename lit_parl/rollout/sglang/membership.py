@@ -56,12 +56,15 @@ class MembershipChange:
         return f"{len(servers)} server(s) [{listing}]; {changed}"
 
 
-def why_fixed(router: bool, distributed: bool) -> str | None:
-    """Why a pool's servers cannot change (``None``: they can): a router in front, or a ``distributed`` sync."""
+def why_fixed(router: bool, distributed: bool, adapters: bool = False) -> str | None:
+    """Why a pool's servers cannot change (``None``: they can): a router in front, a ``distributed`` sync, or an
+    adapter-only one (a joiner would lack the base, which is pushed once per fit)."""
     if router:
         return "the router balances its own workers (add them to it, or run without the router)"
     if distributed:
         return "the distributed sync's NCCL group is formed once (use sync.method=tensor or disk)"
+    if adapters:
+        return "with sync.lora=adapter the base is pushed once per fit, and a joiner would lack it (use merged)"
     return None
 
 

@@ -77,8 +77,11 @@ class Ends:
         raise MalformedResponse(f"{where}: unknown finish_reason {reason}")
 
 
-def sample_payload(request: GroupRequest, index: int, sampling: SamplingParams, eos_id: int) -> dict:
-    """The ``/generate`` body for sample ``index`` of ``request``."""
+def sample_payload(
+    request: GroupRequest, index: int, sampling: SamplingParams, eos_id: int, adapter: str | None = None
+) -> dict:
+    """The ``/generate`` body for sample ``index`` of ``request``; ``adapter``: the LoRA adapter it runs with (by
+    the name it was loaded under: SGLang's ``lora_path`` takes a loaded adapter's name)."""
     params = {
         "temperature": sampling.temperature,
         "top_p": sampling.top_p,
@@ -90,7 +93,8 @@ def sample_payload(request: GroupRequest, index: int, sampling: SamplingParams, 
         "sampling_seed": request.seeds[index],
         **({"stop": list(sampling.stop)} if sampling.stop else {}),  # needs a server with its tokenizer
     }
-    return {"input_ids": list(request.prompt_tokens), "sampling_params": params, "return_logprob": True}
+    body = {"input_ids": list(request.prompt_tokens), "sampling_params": params, "return_logprob": True}
+    return body | ({"lora_path": adapter} if adapter is not None else {})
 
 
 def abort_reason(answer) -> str | None:

@@ -68,9 +68,15 @@ def check_server_env(env: dict[str, str]) -> None:
 
 
 def server_command(
-    launch: LaunchSettings, model_path: str, port: int, tp_size: int, deterministic_inference: bool
+    launch: LaunchSettings,
+    model_path: str,
+    port: int,
+    tp_size: int,
+    deterministic_inference: bool,
+    extra: Sequence[str] = (),
 ) -> list[str]:
-    """``sglang.launch_server``'s command line for the server at ``port``.
+    """``sglang.launch_server``'s command line for the server at ``port`` (``extra``: the pool's own flags, such as
+    ``adapters.lora_launch_args``; the user's ``launch.args`` come last).
 
     Prompts and completions are token ids, but the server loads the model directory's tokenizer: SGLang
     matches stop strings in decoded text and refuses them under ``--skip-tokenizer-init``. SGLang honours a
@@ -84,7 +90,7 @@ def server_command(
         command += ["--dtype", launch.dtype]
     if deterministic_inference and "--enable-deterministic-inference" not in launch.args:
         command.append("--enable-deterministic-inference")
-    return command + list(launch.args)
+    return command + list(extra) + list(launch.args)
 
 
 def router_command(urls: list[str], host: str, port: int, router_args: Sequence[str]) -> list[str]:

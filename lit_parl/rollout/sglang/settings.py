@@ -17,6 +17,8 @@ import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from lit_parl.rollout.adapter_pool import check_adapter_mode
+
 SERVER_DTYPES = ("auto", "half", "float16", "bfloat16", "float", "float32")  # sglang.launch_server --dtype
 SYNC_METHODS = ("tensor", "distributed", "disk")  # lit_parl.rollout.sglang.weights
 
@@ -143,6 +145,11 @@ class SyncSettings:
         master_port: ``distributed``: the port of that rendezvous, on the trainer's node.
         backend: ``distributed``: the group's ``torch.distributed`` backend.
         group_name: ``distributed``: the group's name on the servers.
+        lora: how a policy trained with LoRA adapters reaches the servers: ``merged`` (base + (α / r) B A, as full
+            weights, by ``method``) or ``adapter`` (the base once per fit by ``method``, then each iteration's
+            adapter alone, loaded by SGLang's LoRA support: ``lit_parl.rollout.sglang.adapters``).
+        max_lora_rank: ``adapter``: the largest adapter rank the servers make room for (launched servers get
+            ``--enable-lora --max-lora-rank``; attached ones must have been started so).
     """
 
     method: str = "tensor"
@@ -151,10 +158,15 @@ class SyncSettings:
     master_port: int = 29650
     backend: str = "nccl"
     group_name: str = "lit_parl_weight_update"
+    lora: str = "merged"
+    max_lora_rank: int = 16
 
     def __post_init__(self) -> None:
         if self.method not in SYNC_METHODS:
             raise ValueError(f"SyncSettings(method={self.method!r}): choose one of {SYNC_METHODS}")
+        check_adapter_mode(self.lora, "SyncSettings")
+        if self.max_lora_rank < 1:
+            raise ValueError(f"SyncSettings(max_lora_rank={self.max_lora_rank}): an adapter's rank is at least 1")
 
 
 @dataclass(frozen=True)

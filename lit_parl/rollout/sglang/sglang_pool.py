@@ -8,23 +8,24 @@ to the trainer's thread as soon as its samples are in.
 
 from __future__ import annotations
 
-import asyncio
 import functools
 import logging
 import os
-import queue
 import socket
 import tempfile
 import weakref
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
+from lit_parl.rollout.adapter_pool import AdapterPool
 from lit_parl.rollout.gpu_placement import split_gpu_ids, visible_devices
 from lit_parl.rollout.records import GroupCompletions, GroupRequest, SamplingParams
 from lit_parl.rollout.rollout_pool import PoolSpec, WeightBucket
-from lit_parl.rollout.sglang.client import HTTPClient, post_with_retries
+from lit_parl.rollout.sglang.adapters import AdapterLoader, lora_launch_args
+from lit_parl.rollout.sglang.client import HTTPClient
+from lit_parl.rollout.sglang.generation import stream_groups
 from lit_parl.rollout.sglang.membership import Membership, why_fixed
-from lit_parl.rollout.sglang.messages import Ends, abort_reason, parse_group, sample_payload
+from lit_parl.rollout.sglang.messages import Ends, sample_payload
 from lit_parl.rollout.sglang.servers import (
     ServerFleet,
     answers_health,
@@ -50,7 +51,7 @@ from lit_parl.settings import as_settings
 log = logging.getLogger("lit_parl")
 
 
-class SGLangRolloutPool(SharedRolloutPool):
+class SGLangRolloutPool(SharedRolloutPool, AdapterPool):
     """SGLang servers as the rollout pool: launch them (``servers.urls`` unset) or attach to ``servers.urls``.
 
     Log-probs: SGLang reports each sampled token's in the full softmax of logits / T, before top-k and
@@ -63,7 +64,8 @@ class SGLangRolloutPool(SharedRolloutPool):
         servers: which servers generate and what the pool relies on of them (``ServerSettings``).
         launch: how the pool launches its servers and the router (``LaunchSettings``).
         router: ``sglang_router`` in front of the servers (``RouterSettings``).
-        sync: how the weights reach the servers (``SyncSettings``).
+        sync: how the weights reach the servers (``SyncSettings``; ``lora``: a LoRA policy as merged weights, or
+            as its adapter alone, ``lit_parl.rollout.sglang.adapters``).
         requests: HTTP timeouts, retries and how many groups generate at once (``RequestSettings``).
 
     Building the pool starts nothing; ``start`` launches or attaches:
@@ -100,6 +102,8 @@ class SGLangRolloutPool(SharedRolloutPool):
         self._fleet: ServerFleet | None = None
         self._client: HTTPClient | None = None
         self._weights: WeightUpdater | None = None
+        self._adapters: AdapterLoader | None = None
+        self._adapter: str | None = None  # the LoRA adapter this iteration's requests name (sync.lora=adapter)
         self._finalizer = None
         self._eos_id: int | None = None
         self._model_dir: str | Path | None = None
@@ -137,6 +141,7 @@ class SGLangRolloutPool(SharedRolloutPool):
         self._client = HTTPClient(self.requests.timeout_s)
         sync_dir = self.sync.dir or Path(workdir) / "sync"
         self._weights = WeightUpdater(self._client, spec.model_dir, sync_dir, self.servers.tp_size, self.sync)
+        self._adapters, self._adapter = AdapterLoader(self._weights, self.sync.max_lora_rank), None
         return fleet
 
     # -- SharedRolloutPool: every rank's pool object reaches the same servers --------------------------
@@ -144,7 +149,7 @@ class SGLangRolloutPool(SharedRolloutPool):
         fleet, here = self._fleet, socket.getfqdn()  # a server listening on 0.0.0.0 is reached at this host's name
         urls, capacities = [reachable_url(s.url, here) for s in fleet.live()], [s.capacity for s in fleet.live()]
         router = reachable_url(fleet.router.url, here) if fleet.router else None
-        return {"urls": urls, "capacities": capacities, "router": router}
+        return {"urls": urls, "capacities": capacities, "router": router, "adapter": self._adapter}
 
     def _join(self, spec: PoolSpec, address: dict) -> None:
         fleet = self._open(spec)
@@ -157,6 +162,7 @@ class SGLangRolloutPool(SharedRolloutPool):
     def _adopt_version(self, version: int, address: dict | None) -> None:
         if address is not None:  # the servers the pushing rank's pool drove this push, joiners included
             self._fleet.follow(address["urls"], address["capacities"])
+            self._adapter = address.get("adapter")
         self._weights.check_reported(self._fleet.live(), version)
 
     # -- elastic membership: servers join and leave at a push, between iterations ----------------------
@@ -171,7 +177,7 @@ class SGLangRolloutPool(SharedRolloutPool):
 
     def _change_membership(self, version: int) -> None:
         fleet, client, distributed = self._fleet, self._client, self.sync.method == "distributed"
-        fixed = why_fixed(self.router.enabled, distributed)
+        fixed = why_fixed(self.router.enabled, distributed, self.takes_lora_adapters)
         # a distributed sync refuses to go on without a member of its group: a failed server is not dropped there
         change = self.membership.apply(fleet, functools.partial(answers_health, client), fixed, not distributed)
         if change.joined and self.servers.deterministic_inference:
@@ -185,7 +191,8 @@ class SGLangRolloutPool(SharedRolloutPool):
             visible = visible_devices(self._gpus, os.environ.get("CUDA_VISIBLE_DEVICES"), "SGLangRolloutPool")
         for index in range(launch.num_servers):
             port = launch.port + index
-            command = server_command(launch, model_path, port, tp_size, self.servers.deterministic_inference)
+            extra = lora_launch_args(self.sync.max_lora_rank) if self.takes_lora_adapters else []
+            command = server_command(launch, model_path, port, tp_size, self.servers.deterministic_inference, extra)
             env = dict(os.environ)
             if self._gpus is not None:
                 env["CUDA_VISIBLE_DEVICES"] = visible[index]
@@ -193,7 +200,17 @@ class SGLangRolloutPool(SharedRolloutPool):
 
     def _sync_weights(self, buckets: Iterable[WeightBucket], version: int) -> None:
         self._change_membership(version)
+        self._adapter = None  # the full weights alone, until an adapter is loaded beside them
         self._weights.sync(self.sync.method, self._fleet.live(), self._fleet.servers, buckets, version)
+
+    # -- AdapterPool: a LoRA policy as base + its adapter ---------------------------------------------
+    @property
+    def takes_lora_adapters(self) -> bool:
+        return self.sync.lora == "adapter"
+
+    def _load_adapter(self, buckets: Iterable[WeightBucket], version: int, config: dict) -> None:
+        self._adapter = None
+        self._adapter = self._adapters.load(self._fleet.live(), buckets, config, version)
 
     def _generate(self, requests: list[GroupRequest], sampling: SamplingParams) -> Iterator[GroupCompletions]:
         for server in self._fleet.servers:
@@ -204,67 +221,8 @@ class SGLangRolloutPool(SharedRolloutPool):
                 self._tokenizer = load_tokenizer(self._model_dir, sampling.stop)
             decode = functools.partial(self._tokenizer.decode, skip_special_tokens=True)
         ends = Ends.of(sampling, self._eos_id, decode)
-        finished: queue.Queue = queue.Queue()
-        client = self._client
-        future = client.submit(self._generate_all(requests, sampling, ends, finished))
-        try:
-            for received in range(len(requests)):
-                while True:
-                    try:
-                        item = finished.get(timeout=1.0)
-                        break
-                    except queue.Empty:
-                        if client.closed:  # closed from another thread (the trainer failed): stop waiting
-                            raise RuntimeError("the SGLang pool was closed while generating") from None
-                        if future.done() and finished.empty():  # the client loop ended without a word
-                            cause = None if future.cancelled() else future.exception()
-                            missing = len(requests) - received
-                            raise RuntimeError(f"the SGLang client stopped with {missing} groups missing") from cause
-                if isinstance(item, BaseException):
-                    if client.closed:  # the requests failed because the pool was closed under them
-                        raise RuntimeError("the SGLang pool was closed while generating") from item
-                    raise item
-                yield item
-        finally:
-            future.cancel()  # the consumer stopped early (or failed): no request keeps running for nobody
-
-    async def _generate_all(
-        self, requests: list[GroupRequest], sampling: SamplingParams, ends: Ends, finished: queue.Queue
-    ) -> None:
-        limit = asyncio.Semaphore(self.requests.max_groups_in_flight)
-        tasks = [asyncio.ensure_future(self._generate_group(r, sampling, ends, limit, finished)) for r in requests]
-        try:
-            await asyncio.gather(*tasks)
-        except asyncio.CancelledError:
-            raise
-        except BaseException as error:  # noqa: BLE001 - hand it to the trainer's thread
-            finished.put(error)
-        finally:
-            for task in tasks:
-                task.cancel()
-
-    async def _generate_group(
-        self,
-        request: GroupRequest,
-        sampling: SamplingParams,
-        ends: Ends,
-        limit: asyncio.Semaphore,
-        finished: queue.Queue,
-    ) -> None:
-        # one request per sample: sglang_router accepts only single requests, and a retry redoes one sample
-        async with limit:
-            draws = (self._generate_sample(request, k, sampling) for k in range(request.group_size))
-            samples = await asyncio.gather(*draws)
-        urls = ", ".join(sorted({url for url, _ in samples}))
-        finished.put(parse_group(request, [answer for _, answer in samples], urls, ends))
-
-    async def _generate_sample(self, request: GroupRequest, index: int, sampling: SamplingParams) -> tuple[str, dict]:
-        payload = sample_payload(request, index, sampling, self._eos_id)
-        what = f"prompt {request.prompt_id} sample {index}"
-        retries = self.requests.max_retries
-        return await post_with_retries(
-            self._client, self._fleet, "/generate", payload, retries, what, check=abort_reason
-        )
+        payload = functools.partial(sample_payload, sampling=sampling, eos_id=self._eos_id, adapter=self._adapter)
+        yield from stream_groups(self._client, self._fleet, requests, payload, ends, self.requests)
 
     def _worker_counts(self) -> tuple[int, int]:
         fleet = self._fleet
