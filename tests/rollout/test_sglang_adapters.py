@@ -20,6 +20,7 @@ from helpers.multi_process import free_port
 from helpers.sglang_pools import STANDIN
 from lit_parl import GRPOObjective
 from lit_parl.models.lora import TRAINED, adapter_parameters
+from lit_parl.rollout.records import SamplingParams
 from lit_parl.rollout.sglang import SGLangRolloutPool
 
 pytest.importorskip("aiohttp")
@@ -90,3 +91,32 @@ def test_an_adapter_above_the_servers_rank_is_refused_naming_the_setting(tmp_pat
         ValueError, match=r"rank 16 is above the servers' --max-lora-rank 8: set pool.sync.max_lora_rank=16"
     ):
         loader.load([], [[("a", torch.zeros(1))]], {"r": 16}, version=0)
+
+
+def test_a_joined_rank_names_the_adapter_the_pushing_rank_loaded(spec, tmp_path):
+    """Under several trainer ranks rank 0 loads the adapter; another rank's pool follows rank 0's ``address()``
+    (which names it) when it adopts the version, and its requests name it too (the stand-in's journal says which
+    adapter each sample ran with)."""
+    from helpers.sglang_pools import requests_for, start_pool
+    from lit_parl.callbacks.full_tensors import base_tensors, lora_adapter_config, lora_adapter_tensors
+    from lit_parl.models import tiny_qwen2
+    from lit_parl.models.lora import LoRASettings, add_lora
+
+    journal = tmp_path / "journal.jsonl"
+    model, _ = tiny_qwen2(seed=0)
+    add_lora(model, LoRASettings(rank=4, alpha=8.0))
+    owner = start_pool(spec, launch={"args": ["--journal", str(journal)]}, sync={"method": "tensor", "lora": "adapter"})
+    joined = SGLangRolloutPool(sync={"lora": "adapter"})
+    try:
+        joined.join(spec, owner.address())
+        owner.sync_weights([list(base_tensors(model))], version=0)
+        owner.sync_adapter([list(lora_adapter_tensors(model))], lora_adapter_config(model), version=0)
+        joined.adopt_version(0, owner.address())
+        sampling = SamplingParams(max_new_tokens=3, temperature=0.7)
+        assert {g.version for g in joined.generate(requests_for(0, prompts=2), sampling)} == {0}
+    finally:
+        joined.close()
+        owner.close()
+    generates = [json.loads(line) for line in journal.read_text().splitlines()]
+    generates = [e for e in generates if e["event"] == "generate"]
+    assert generates and all(e["adapter"] == "lit_parl-v0" for e in generates)
