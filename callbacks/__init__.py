@@ -6,6 +6,7 @@ What each needs from the module, the datamodule and the other callbacks is state
 
 from .completion_samples import CompletionSamples, load_samples
 from .contracts import (
+    AdapterReceiver,
     HasPolicy,
     HasRolloutPool,
     HasTokenizer,
@@ -27,6 +28,7 @@ from .run_summary import RunSummary
 from .weight_sync import WeightSync
 
 __all__ = [
+    "AdapterReceiver",
     "CompletionSamples",
     "HFExport",
     "HasPolicy",
