@@ -152,12 +152,17 @@ class HFExport(Callback):
 
 def save_adapter(model: torch.nn.Module, directory: Path, tensors: dict[str, torch.Tensor]) -> None:
     """The active LoRA adapter of ``model`` (peft's layers injected into it; its whole ``tensors`` under peft's
-    names, as ``lora_adapter_tensors`` gives them) as peft saves one (``adapter_config.json``,
-    ``adapter_model.safetensors``), for ``peft.PeftModel.from_pretrained(base, directory)`` on the base model the
-    run started from."""
+    names, as ``lora_adapter_tensors`` gives them) as peft saves one, for ``peft.PeftModel.from_pretrained(base,
+    directory)`` on the base model the run started from."""
+    write_adapter_files(directory, tensors, lora_adapter_config(model))
+
+
+def write_adapter_files(directory: Path, tensors: dict[str, torch.Tensor], config: dict) -> None:
+    """An adapter directory as peft writes one: ``adapter_model.safetensors`` (``tensors``, peft's names) and
+    ``adapter_config.json`` (``config``); what peft, vLLM's and SGLang's adapter loaders read."""
     from safetensors.torch import save_file
 
     directory.mkdir(parents=True, exist_ok=True)
     state = {name: tensor.detach().cpu().contiguous() for name, tensor in tensors.items()}
     save_file(state, directory / "adapter_model.safetensors", metadata={"format": "pt"})
-    (directory / "adapter_config.json").write_text(json.dumps(lora_adapter_config(model), indent=2))
+    (directory / "adapter_config.json").write_text(json.dumps(config, indent=2))

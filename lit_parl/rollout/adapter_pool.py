@@ -30,6 +30,16 @@ def adapter_name(version: int) -> str:
     return f"lit_parl-v{version}"
 
 
+def check_adapter_rank(config: dict, max_rank: int, setting: str) -> None:
+    """Refuse an adapter above the engines' room for ranks before anything is sent (``setting``: where it is set)."""
+    rank = config.get("r")
+    if not isinstance(rank, int) or rank > max_rank:
+        raise ValueError(
+            f"the LoRA adapter's rank {rank} is above the engines' max_lora_rank {max_rank}: set {setting}={rank} "
+            "(launched engines take it; restart attached ones with it)"
+        )
+
+
 def check_adapter_mode(mode: str, owner: str) -> None:
     if mode not in ADAPTER_MODES:
         raise ValueError(f"{owner}(lora={mode!r}): choose one of {ADAPTER_MODES}")

@@ -161,3 +161,15 @@ def read_messages(connection, tag, messages: queue.Queue) -> None:
     finally:
         connection.close()
         messages.put((tag, Exited()))
+
+
+def why_gone(hung: bool, exitcode: int | None, response_timeout_s: float) -> str:
+    """How a worker process ended, for the message that reports it (``hung``: killed for its silence)."""
+    if hung:
+        return f"was silent for {response_timeout_s:g} s with work outstanding (hung), so it was killed"
+    if exitcode is not None and exitcode < 0:
+        try:
+            return f"was killed by {signal.Signals(-exitcode).name} (exit code {exitcode})"
+        except ValueError:
+            pass
+    return f"exited (exit code {exitcode})"

@@ -19,16 +19,29 @@ from collections.abc import Iterable, Sequence
 
 import torch
 
+from lit_parl.rollout.worker_messages import Attach, LoadAdapter, Sync
+
 
 class SharedWeights:
     """Shared-memory tensors by name, and the version they hold (``None`` before one was written whole).
 
-    A replacement worker attaches ``tensors`` and loads ``version``: what the other workers hold.
+    A replacement worker attaches ``tensors`` and loads ``version``, then the LoRA adapter held beside them, if any
+    (``catch_up``): what the other workers hold.
     """
 
     def __init__(self) -> None:
         self.tensors: dict[str, torch.Tensor] | None = None
         self.version: int | None = None
+        self.adapter: LoadAdapter | None = None  # the adapter the workers hold beside the base, since the last write
+
+    def hold_adapter(self, message: LoadAdapter) -> None:
+        """The workers are given ``message``'s adapter beside the base these tensors hold: its version is theirs."""
+        self.adapter, self.version = message, message.version
+
+    def catch_up(self, version: int) -> list:
+        """The messages that bring a new worker to ``version``: attach, load, and the adapter held, if any."""
+        adapter = [self.adapter] if self.adapter is not None else []
+        return [Attach(self.tensors), Sync(version), *adapter]
 
     def write(self, buckets: Iterable[Sequence[tuple[str, torch.Tensor]]], version: int) -> bool:
         """Copy every bucket in as it arrives (the caller may free it right after); True on the first write.
@@ -37,7 +50,7 @@ class SharedWeights:
         """
         first = self.tensors is None
         shared = {} if first else self.tensors
-        self.version = None  # half-written until the last bucket is in
+        self.version, self.adapter = None, None  # half-written until the last bucket is in; no adapter on it yet
         seen: set[str] = set()
         with torch.no_grad():
             for bucket in buckets:

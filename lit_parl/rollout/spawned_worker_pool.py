@@ -143,7 +143,11 @@ class SpawnedWorkerPool(RolloutPool):
         processes = self._processes
         first = processes.weights.write(buckets, version)
         processes.request_sync(version, attach=first)
-        doing, restarts = f"syncing version {version}", 0
+        self._await_settled(f"syncing version {version}", version)
+
+    def _await_settled(self, doing: str, version: int) -> None:
+        """Return once every worker confirmed what it was sent (a worker that dies meanwhile is replaced)."""
+        processes, restarts = self._processes, 0
         while not all(w.settled for w in processes.workers):
             event = processes.next_event(doing, owes=lambda w: not w.settled)
             if event is None:

@@ -45,24 +45,24 @@ these signatures):
   ``model.logits_processor.scale`` (``LogitsProcessor``, ``vllm/model_executor/layers/logits_processor.py``),
   ``lm_head.quant_method.process_weights_after_loading(layer)`` and ``model_config.hf_text_config``.
 
-vLLM 0.32.0's documented RL weight-update API is another one: the weight-transfer engines
-(``EngineArgs(weight_transfer_config={"backend": ...})``, ``vllm/config/weight_transfer.py``; ``LLM``'s
-``init_weight_transfer_engine``, ``start_weight_update``, ``update_weights``, ``finish_weight_update`` in
-``vllm/entrypoints/rl/offline.py``, the same on ``AsyncLLM`` and as HTTP routes; the worker methods of those
-names in ``gpu_worker.py``; ``WeightTransferEngine`` and its factory in ``vllm/distributed/weight_transfer/``).
-Its backends (``nccl``, ``ipc``, ``sparse_nccl``, ``sharded_rdt``, ``nccl_m2n``, ``modelexpress``) all move
-GPU tensors (NCCL, CUDA IPC), none host shared memory, and ``WeightTransferEngine.update_weights`` ends in
-``torch.accelerator.synchronize()``, which raises on a CPU-only torch: the API does not run on the CPU
-build, even with a backend of our own registered. Its checkpoint-format backends load the way
-``reload_weights`` does (``initialize_layerwise_reload``, ``model.load_weights``, ``finalize_layerwise_reload``),
-so the path here is the same loading, reached through the worker's public ``reload_weights``.
+LoRA adapters alone (``load_adapter``): ``LLMEngine.add_lora``/``remove_lora`` with a ``vllm.lora.request.LoRARequest``
+per version (a new name and id: vLLM keeps serving an id it holds), read from a peft adapter directory, and
+``add_request(..., lora_request=...)``; the engine started with ``enable_lora``.
+
+vLLM 0.32.0's documented RL weight-update API (the weight-transfer engines, ``vllm/distributed/weight_transfer/``)
+is not used: its backends move GPU tensors only (NCCL, CUDA IPC) and its ``update_weights`` ends in
+``torch.accelerator.synchronize()``, which raises on a CPU-only torch; its checkpoint-format backends load as
+``reload_weights`` does, which this engine reaches through the worker's public ``reload_weights``.
 """
 
 from __future__ import annotations
 
 import ctypes
 import os
+import shutil
+import tempfile
 from collections.abc import Iterator
+from pathlib import Path
 
 import torch
 
@@ -84,10 +84,17 @@ class VLLMEngine:
         threads: CPU threads of this engine.
         placed_on_gpus: the pool set this worker's ``CUDA_VISIBLE_DEVICES`` (``gpu_ids``): refuse to start
             where it cannot take effect (CUDA initialised already) or where vLLM runs on no GPU.
+        adapter_root: where ``load_adapter`` writes each version's adapter for vLLM to read.
     """
 
     def __init__(
-        self, model_dir: str, engine_args: dict, eos_id: int, threads: int, placed_on_gpus: bool = False
+        self,
+        model_dir: str,
+        engine_args: dict,
+        eos_id: int,
+        threads: int,
+        placed_on_gpus: bool = False,
+        adapter_root: str | None = None,
     ) -> None:
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine core runs in this process
         os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
@@ -105,12 +112,40 @@ class VLLMEngine:
         self.rank_pids: list[int] = self.engine.collective_rpc("lit_parl_die_with_parent")
         self.eos_id = eos_id
         self.temperature: float | None = None  # folded into the model's logits; set by the first sample
+        self.lora = None  # the LoRARequest every sample runs with (LoRA adapters alone: load_adapter)
+        self.adapter_root = adapter_root
 
     def load(self, shared: dict[str, torch.Tensor], version: int) -> None:
         # the shared-memory tensors go to the model by reference: the engine runs in this process
         confirmed = self.engine.collective_rpc("lit_parl_load_weights", args=(shared, version))
         if any(v != version for v in confirmed):
             raise RuntimeError(f"vLLM workers confirmed versions {confirmed} while loading version {version}")
+        self._retire_adapter()  # a new base: vLLM's reload drops its adapters (reset_lora_state)
+        self._now_serving(version)
+
+    def load_adapter(self, tensors: dict[str, torch.Tensor], config: dict, version: int) -> None:
+        """Serve the base this engine holds with the LoRA adapter ``tensors`` (peft's names; ``config`` peft's) as
+        ``version``: written as a peft adapter directory, added under a name and id of its own (vLLM keeps
+        serving an id it holds), the previous adapter removed."""
+        from vllm.lora.request import LoRARequest
+
+        from lit_parl.rollout.adapter_pool import adapter_name
+
+        directory = write_adapter(tensors, config, version, self.adapter_root)
+        request = LoRARequest(adapter_name(version), version + 1, str(directory))  # ids start at 1
+        if not self.engine.add_lora(request):
+            raise RuntimeError(f"vLLM did not load the LoRA adapter of version {version}")
+        self._retire_adapter()
+        self.lora = request
+        self._now_serving(version)
+
+    def _retire_adapter(self) -> None:
+        if self.lora is not None:
+            self.engine.remove_lora(self.lora.lora_int_id)  # False when a base reload dropped it already
+            shutil.rmtree(self.lora.lora_path, ignore_errors=True)
+            self.lora = None
+
+    def _now_serving(self, version: int) -> None:
         if self.engine.reset_prefix_cache() is False:  # cached prompt KV was computed by the old weights
             raise RuntimeError(f"vLLM could not reset its prefix cache after loading version {version}")
         if hasattr(self.engine, "set_weight_version"):
@@ -145,7 +180,8 @@ class VLLMEngine:
                     detokenize=bool(sampling.stop),  # text only where stop strings are searched in it
                     output_kind=RequestOutputKind.FINAL_ONLY,  # one output per request, when it has finished
                 )
-                self.engine.add_request(f"{r.prompt_id}/{index}", _token_prompt(r.prompt_tokens), params)
+                prompt = _token_prompt(r.prompt_tokens)
+                self.engine.add_request(f"{r.prompt_id}/{index}", prompt, params, lora_request=self.lora)
         while self.engine.has_unfinished_requests():
             for output in self.engine.step():
                 if not output.finished:
@@ -244,6 +280,16 @@ def _check_head_size(config) -> None:
             "use tiny_qwen2(hidden_size=128, num_heads=4), the config's default "
             "(model.hidden_size on the command line)."
         )
+
+
+def write_adapter(tensors: dict[str, torch.Tensor], config: dict, version: int, root: str | None) -> Path:
+    """The adapter as peft writes one (what vLLM's ``LoRAModel.from_local_checkpoint`` reads), in a directory of its
+    own under ``root`` (the pool's, which it removes when it closes)."""
+    from lit_parl.callbacks.hf_export import write_adapter_files
+
+    directory = Path(tempfile.mkdtemp(prefix=f"v{version}_", dir=root))
+    write_adapter_files(directory, tensors, config)
+    return directory
 
 
 def _token_prompt(prompt_tokens: tuple[int, ...]):

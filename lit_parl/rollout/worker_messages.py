@@ -10,6 +10,8 @@ To a worker, from the pool (``WorkerProcesses``; ``Generate`` from ``GenerateCal
 
 - ``Attach(shared)``: the policy's tensors in shared memory, once per worker, before its first ``Sync``.
 - ``Sync(version)``: load the shared tensors, which now hold ``version``; answered by ``Synced``.
+- ``LoadAdapter(version, tensors, config)``: load a LoRA adapter (peft's names and config) beside the base the
+  shared tensors hold, as ``version`` (an engine that serves adapters: vLLM's); answered by ``Synced``.
 - ``Generate(call, piece, requests, sampling)``: sample ``requests``; answered by one ``GroupDone`` per
   request, as each is finished, then ``PieceDone``.
 - ``Stop()``: leave the loop and exit (the pool is closing).
@@ -60,6 +62,13 @@ class Attach:
 @dataclass(frozen=True)
 class Sync:
     version: int
+
+
+@dataclass(frozen=True)
+class LoadAdapter:
+    version: int
+    tensors: dict[str, torch.Tensor]
+    config: dict
 
 
 @dataclass(frozen=True)

@@ -8,10 +8,10 @@ the partial message is dropped, and the pipe's end (``Exited``) tells the traine
 
 Restarts: a worker that exits (killed, crashed), or that owes an answer and stays silent for
 ``response_timeout_s`` (then it is killed: hung), is replaced by a new process in the same slot, which
-attaches the shared weights and loads the version they hold. Each restart logs a warning (logger
-``lit_parl``); the ``max_restarts + 1``-th failure within one call stops the run. A ``WorkerError`` is a
-bug, not a fault, and is raised as it is; so is a worker that dies while the pool starts (a replacement
-that dies while starting counts as one more failure).
+attaches the shared weights and loads the version they hold, and the LoRA adapter beside them if any. Each
+restart logs a warning (logger ``lit_parl``); the ``max_restarts + 1``-th failure within one call stops the
+run. A ``WorkerError`` is a bug, not a fault, and is raised as it is; so is a worker that dies while the pool
+starts (a replacement that dies while starting counts as one more failure).
 """
 
 from __future__ import annotations
@@ -19,7 +19,6 @@ from __future__ import annotations
 import logging
 import os
 import queue
-import signal
 import threading
 import time
 import weakref
@@ -30,11 +29,11 @@ from typing import Any
 
 import torch.multiprocessing as mp
 
-from lit_parl.rollout.processes import descendants, kill_if_same, read_messages, stop_workers
+from lit_parl.rollout.processes import descendants, kill_if_same, read_messages, stop_workers, why_gone
 from lit_parl.rollout.records import GroupRequest
 from lit_parl.rollout.shared_weights import SharedWeights
 from lit_parl.rollout.worker_loop import WorkerEngine, serve
-from lit_parl.rollout.worker_messages import FROM_WORKER, Attach, Exited, Ready, Sync, Synced, Unreadable, WorkerError
+from lit_parl.rollout.worker_messages import FROM_WORKER, Exited, LoadAdapter, Ready, Synced, Unreadable, WorkerError
 
 _SPAWN = mp.get_context("spawn")  # a forked worker would inherit the trainer's threads and locks
 _POLL_S = 0.2  # how often a waiting pool looks at its workers (and at whether it was closed)
@@ -114,11 +113,19 @@ class WorkerProcesses:
 
     def request_sync(self, version: int, attach: bool) -> None:
         """Ask every worker to load ``version`` from the shared weights (``attach``: attach them first)."""
+        messages = self.weights.catch_up(version)[0 if attach else 1 :]  # [Attach,] Sync: no adapter after a write
         for worker in self.workers:
-            if attach:
-                self.send(worker, Attach(self.weights.tensors), f"syncing version {version}")
-            self.send(worker, Sync(version), f"syncing version {version}")
+            for message in messages:
+                self.send(worker, message, f"syncing version {version}")
             worker.owed_syncs.append(version)
+        self.count_silence_from_now()
+
+    def request_adapter(self, message: LoadAdapter) -> None:
+        """Ask every worker to load ``message``'s LoRA adapter beside the base it holds."""
+        self.weights.hold_adapter(message)
+        for worker in self.workers:
+            self.send(worker, message, f"loading the adapter of version {message.version}")
+            worker.owed_syncs.append(message.version)
         self.count_silence_from_now()
 
     def send(self, worker: Worker, message: object, doing: str) -> None:
@@ -167,7 +174,7 @@ class WorkerProcesses:
             process.kill()
             process.join(timeout=5.0)
         kill_if_same(worker.descendants)
-        cause = self._cause(worker)
+        cause = why_gone(worker.hung, worker.process.exitcode, self.response_timeout_s)
         if restarts >= self.max_restarts:
             raise RuntimeError(
                 f"{self.label} {worker.index} (pid {process.pid}) {cause} while {doing}, after {restarts} restart(s) "
@@ -281,18 +288,7 @@ class WorkerProcesses:
             target=read_messages, args=(reader, worker, self._messages), name=f"{process.name}-results", daemon=True
         ).start()
         if version is not None:
-            inbox.put(Attach(self.weights.tensors))
-            inbox.put(Sync(version))
-            worker.owed_syncs.append(version)
+            for message in self.weights.catch_up(version):
+                inbox.put(message)
+            worker.owed_syncs += [version] * (2 if self.weights.adapter is not None else 1)  # Sync, LoadAdapter
         return worker
-
-    def _cause(self, worker: Worker) -> str:
-        if worker.hung:
-            return f"was silent for {self.response_timeout_s:g} s with work outstanding (hung), so it was killed"
-        code = worker.process.exitcode
-        if code is not None and code < 0:
-            try:
-                return f"was killed by {signal.Signals(-code).name} (exit code {code})"
-            except ValueError:
-                pass
-        return f"exited (exit code {code})"

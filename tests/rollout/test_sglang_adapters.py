@@ -88,7 +88,7 @@ def test_an_adapter_above_the_servers_rank_is_refused_naming_the_setting(tmp_pat
 
     loader = AdapterLoader(weights=None, max_rank=8)
     with pytest.raises(
-        ValueError, match=r"rank 16 is above the servers' --max-lora-rank 8: set pool.sync.max_lora_rank=16"
+        ValueError, match=r"rank 16 is above the engines' max_lora_rank 8: set pool.sync.max_lora_rank=16"
     ):
         loader.load([], [[("a", torch.zeros(1))]], {"r": 16}, version=0)
 

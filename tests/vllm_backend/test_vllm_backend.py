@@ -585,6 +585,7 @@ def test_the_vllm_functions_the_pool_calls_still_take_its_arguments():
     import inspect
 
     from vllm.inputs import tokens_input
+    from vllm.lora.request import LoRARequest
     from vllm.model_executor.layers.logits_processor import LogitsProcessor
     from vllm.model_executor.layers.quantization.base_config import QuantizeMethodBase
     from vllm.model_executor.model_loader.reload import inplace, layerwise
@@ -602,7 +603,13 @@ def test_the_vllm_functions_the_pool_calls_still_take_its_arguments():
     weights = iter(())
     calls = [  # (function, positional arguments, keyword arguments) as lit_parl calls it; None stands for self
         (LLMEngine.from_engine_args, (EngineArgs(model="unused"),), {}),
-        (LLMEngine.add_request, (None, "0/0", tokens_input(prompt_token_ids=[4, 5]), VLLMSamplingParams()), {}),
+        (
+            LLMEngine.add_request,
+            (None, "0/0", tokens_input(prompt_token_ids=[4, 5]), VLLMSamplingParams()),
+            {"lora_request": None},
+        ),
+        (LLMEngine.add_lora, (None, LoRARequest("lit_parl-v0", 1, "/adapter")), {}),
+        (LLMEngine.remove_lora, (None, 1), {}),
         (LLMEngine.step, (None,), {}),
         (LLMEngine.has_unfinished_requests, (None,), {}),
         (LLMEngine.collective_rpc, (None, "lit_parl_load_weights"), {"args": ({}, 0)}),
@@ -644,9 +651,12 @@ def test_the_vllm_functions_the_pool_calls_still_take_its_arguments():
 
     # every EngineArgs the pool passes exists, and so does every SamplingParams field the engine sets
     fields = {f.name for f in dataclasses.fields(EngineArgs)}
-    pool = VLLMRolloutPool(tensor_parallel_size=2, gpu_memory_utilization=0.5, max_model_len=64, max_num_seqs=4)
+    pool = VLLMRolloutPool(
+        tensor_parallel_size=2, gpu_memory_utilization=0.5, max_model_len=64, max_num_seqs=4, lora="adapter"
+    )
     args = pool.engine_args
     assert set(args) | {"model", "logprobs_mode"} <= fields, sorted(set(args) - fields)
+    assert args["enable_lora"] and args["max_loras"] == 1
     VLLMSamplingParams(
         n=1,
         seed=1,

@@ -29,7 +29,7 @@ from collections.abc import Iterable
 
 import torch
 
-from lit_parl.rollout.adapter_pool import adapter_name
+from lit_parl.rollout.adapter_pool import adapter_name, check_adapter_rank
 from lit_parl.rollout.rollout_pool import WeightBucket
 from lit_parl.rollout.sglang.servers import Server
 from lit_parl.rollout.sglang.weights import WeightUpdater
@@ -75,12 +75,7 @@ class AdapterLoader:
 
     def load(self, servers: list[Server], buckets: Iterable[WeightBucket], config: dict, version: int) -> str:
         """Load ``buckets`` (peft's names) with peft's ``config`` as version ``version``; return its name."""
-        rank = config.get("r")
-        if not isinstance(rank, int) or rank > self.max_rank:
-            raise ValueError(
-                f"the LoRA adapter's rank {rank} is above the servers' --max-lora-rank {self.max_rank}: set "
-                f"pool.sync.max_lora_rank={rank} (launched servers take it; restart attached ones with it)"
-            )
+        check_adapter_rank(config, self.max_rank, "pool.sync.max_lora_rank")
         tensors = {name: tensor for bucket in buckets for name, tensor in bucket}
         if not tensors:
             raise ValueError("sync_adapter got no tensors: nothing to load")
