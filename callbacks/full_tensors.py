@@ -50,12 +50,14 @@ def full_tensors(module: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
     under FSDP1, unit by unit. Names are the model's own, FSDP1's wrapper prefix left out. A model with LoRA
     layers (``lit_parl.models.lora``) is read merged: each adapted layer's weight with its active adapter's
     product added, under the layer's own name, and no adapter tensor (what an engine without LoRA loads)."""
+    adapted = lora_layers(module)
+    yield from _merged(_whole_tensors(module), adapted) if adapted else _whole_tensors(module)
+
+
+def _whole_tensors(module: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every parameter whole, under its own name (FSDP1: unit by unit, gathered; ZeRO-3: gathered one by one)."""
     if _is_fsdp1(module):
         yield from _fsdp1_full_tensors(module)
-        return
-    adapted = lora_layers(module)
-    if adapted:
-        yield from _merged(module, adapted)
         return
     for name, parameter in module.named_parameters():
         if hasattr(parameter, "ds_id"):  # ZeRO-3
@@ -119,11 +121,12 @@ def lora_adapter(module: torch.nn.Module) -> str:
 def lora_adapter_tensors(module: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
     """``(name, whole detached tensor)`` of the active adapter's A and B in every LoRA layer of ``module``, under
     peft's names (``base_model.model.<layer>.lora_A.weight``: what ``peft.PeftModel.from_pretrained`` and the
-    engines' adapter loaders read). A gather each under FSDP2: every rank must iterate to the end."""
+    engines' adapter loaders read). Read as ``full_tensors`` reads (gathers under a sharding strategy): every rank
+    must iterate to the end."""
     adapter = lora_adapter(module)
-    for name, parameter in module.named_parameters():
+    for name, tensor in _whole_tensors(module):
         if ".lora_" in name and f".{adapter}." in name:
-            yield f"{PEFT_PREFIX}{name.replace(f'.{adapter}.', '.')}", _whole(parameter)
+            yield f"{PEFT_PREFIX}{name.replace(f'.{adapter}.', '.')}", tensor
 
 
 def lora_adapter_config(module: torch.nn.Module) -> dict:
@@ -134,45 +137,66 @@ def lora_adapter_config(module: torch.nn.Module) -> dict:
 
 def base_tensors(module: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
     """``full_tensors`` of a model with LoRA layers as if they had none: the frozen base, under its own names."""
-    yield from _merged(module, lora_layers(module), with_adapters=False)
+    yield from _merged(_whole_tensors(module), lora_layers(module), with_adapters=False)
 
 
 def lora_layers(module: torch.nn.Module) -> dict[str, torch.nn.Module]:
     """``{name: layer}`` of the LoRA layers (peft's: a ``base_layer`` and ``get_delta_weight``), in module order,
-    found by shape so that this package needs no peft."""
+    found by shape so that this package needs no peft; names without FSDP1's wrapper prefix."""
     return {
-        name: m for name, m in module.named_modules() if hasattr(m, "base_layer") and hasattr(m, "get_delta_weight")
+        name.replace(FSDP1_PREFIX, ""): m
+        for name, m in module.named_modules()
+        if hasattr(m, "base_layer") and hasattr(m, "get_delta_weight")
     }
 
 
 def _merged(
-    module: torch.nn.Module, adapted: dict[str, torch.nn.Module], with_adapters: bool = True
+    named: Iterator[tuple[str, torch.Tensor]], adapted: dict[str, torch.nn.Module], with_adapters: bool = True
 ) -> Iterator[tuple[str, torch.Tensor]]:
-    """One device, DDP or FSDP2: base + (α / r) B A of each LoRA layer's active adapter, one layer at a time (under
-    FSDP2 the base, A and B are each gathered whole first)."""
-    for name, parameter in module.named_parameters():
-        if ".lora_" in name:
-            continue
+    """``named`` whole tensors with the LoRA layers merged: base + (α / r) B A of each layer's active adapter, under
+    the layer's own name, no adapter tensor. A layer's base weight waits for its A and B, which come after it
+    (peft registers the base layer first), so one layer's tensors are held at a time."""
+    held: dict[str, dict[str, torch.Tensor]] = {}  # layer -> its base weight and adapter tensors read so far
+    for name, tensor in named:
         owner, _, leaf = name.rpartition(".")
+        if ".lora_" in name:
+            layer_name, _, rest = name.partition(".lora_")
+            if layer_name in held:
+                held[layer_name][f"lora_{rest}"] = tensor
+                yield from _merge_when_complete(layer_name, adapted[layer_name], held)
+            continue
         layer_name = owner.removesuffix(".base_layer")
         layer = adapted.get(layer_name) if owner.endswith(".base_layer") else None
-        tensor = _whole(parameter)
         if layer is None:
             yield name, tensor
-            continue
-        if with_adapters and leaf == "weight" and not layer.disable_adapters:
-            for adapter in layer.active_adapters:
-                tensor = tensor + lora_delta(layer, adapter).to(tensor.dtype)
-        yield f"{layer_name}.{leaf}", tensor
+        elif leaf == "weight" and with_adapters and not layer.disable_adapters:
+            held[layer_name] = {"weight": tensor, "after": []}
+            yield from _merge_when_complete(layer_name, layer, held)
+        elif layer_name in held:  # the bias after the held weight: kept in order behind it
+            held[layer_name]["after"].append((f"{layer_name}.{leaf}", tensor))
+        else:
+            yield f"{layer_name}.{leaf}", tensor
 
 
-def lora_delta(layer: torch.nn.Module, adapter: str) -> torch.Tensor:
-    """(α / r) B A of ``adapter`` in a LoRA ``layer``, computed in float32 from whole A and B (peft's
-    ``get_delta_weight``, which reads the local tensors: under FSDP2, shards)."""
+def _merge_when_complete(layer_name: str, layer, held: dict) -> Iterator[tuple[str, torch.Tensor]]:
+    parts = held[layer_name]
+    needed = [f"lora_{m}.{a}.weight" for a in layer.active_adapters for m in ("A", "B")]
+    if not all(key in parts for key in needed):
+        return
+    tensor = parts["weight"]
+    for adapter in layer.active_adapters:
+        delta = lora_delta(parts[f"lora_B.{adapter}.weight"], parts[f"lora_A.{adapter}.weight"], layer, adapter)
+        tensor = tensor + delta.to(tensor.dtype)
+    del held[layer_name]
+    yield f"{layer_name}.weight", tensor
+    yield from parts["after"]
+
+
+def lora_delta(b: torch.Tensor, a: torch.Tensor, layer: torch.nn.Module, adapter: str) -> torch.Tensor:
+    """(α / r) B A of ``adapter`` in a LoRA ``layer``, from its whole A and B, in float32 (peft's
+    ``get_delta_weight`` reads the local tensors: under a sharding strategy, pieces)."""
     with torch.no_grad():
-        a = _whole(layer.lora_A[adapter].weight).float()
-        b = _whole(layer.lora_B[adapter].weight).float()
-        delta = (b @ a) * layer.scaling[adapter]
+        delta = (b.float() @ a.float()) * layer.scaling[adapter]
     return delta.T if getattr(layer, "fan_in_fan_out", False) else delta
 
 

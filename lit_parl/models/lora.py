@@ -7,8 +7,8 @@ same weights, so no second copy of the base is ever held:
 
 - θ_0, the reference (β > 0), is the policy with its adapters switched off (``adapters_off``);
 - θ_k, the old policy (several optimizer steps per iteration), is a second adapter, ``theta_k``, a copy of the
-  trained adapter taken at the iteration's start (``snapshot_adapter``) and switched on for its forward
-  (``adapter_active``).
+  trained adapter taken at the iteration's start (the strategy adapter's ``copy_adapter``) and switched on for its
+  forward (``adapter_active``).
 
 What the rollout engines load is the merged policy, base + (α / r) B A, tensor by tensor
 (``lit_parl.callbacks.full_tensors`` merges each LoRA layer's weight as it reads it).
@@ -77,7 +77,7 @@ class LoRASettings:
 
 def add_lora(policy: torch.nn.Module, settings: LoRASettings, with_snapshot: bool = False) -> torch.nn.Module:
     """Inject ``settings``' adapters into ``policy`` (in place) and freeze everything else; ``with_snapshot``: add
-    the θ_k adapter too (frozen; ``snapshot_adapter`` fills it). Returns ``policy``."""
+    the θ_k adapter too (frozen; the strategy adapter's ``copy_adapter`` fills it). Returns ``policy``."""
     from peft import inject_adapter_in_model
 
     config = settings.peft_config()
@@ -99,14 +99,6 @@ def adapter_parameters(model: torch.nn.Module, adapter: str = TRAINED) -> Iterat
             yield name, parameter
 
 
-def snapshot_adapter(model: torch.nn.Module) -> None:
-    """θ_k ← the trained adapter, tensor by tensor (the base is shared: nothing else moves)."""
-    with torch.no_grad():
-        pairs = zip(adapter_parameters(model, TRAINED), adapter_parameters(model, SNAPSHOT), strict=True)
-        for (_, source), (_, target) in pairs:
-            target.copy_(source)
-
-
 @contextlib.contextmanager
 def adapter_active(model: torch.nn.Module, adapter: str):
     """Run the forward with ``adapter`` in place of the trained one (trainability left as it was)."""
@@ -120,21 +112,21 @@ def adapter_active(model: torch.nn.Module, adapter: str):
 @contextlib.contextmanager
 def adapters_off(model: torch.nn.Module):
     """Run the forward of the base model alone: θ_0 (the adapters' layers pass their input to the base layer)."""
+    # the flag peft's forward reads, set directly: its enable_adapters also flips the adapters' requires_grad,
+    # which a sharding strategy (FSDP1's flat parameters) must not see change between forwards
     layers = list(lora_layers(model).values())
     for layer in layers:
-        layer.enable_adapters(False)
+        layer._disable_adapters = True
     try:
         yield
     finally:
         for layer in layers:
-            layer.enable_adapters(True)
+            layer._disable_adapters = False
 
 
 def _activate(model: torch.nn.Module, adapter: str) -> None:
-    # peft's set_adapter also flips requires_grad to the active adapter: the trained one must keep its gradients
-    # flag (and θ_k stay frozen) whichever is active, so the flags are put back as they were
-    flags = [(parameter, parameter.requires_grad) for parameter in model.parameters()]
+    # the attribute peft's set_adapter sets, set directly: set_adapter also flips requires_grad to the active
+    # adapter, and the trained adapter must keep its gradients (θ_k stay frozen) whichever is active, without a
+    # flip a sharding strategy (FSDP1's flat parameters) would see between forwards
     for layer in lora_layers(model).values():
-        layer.set_adapter(adapter)
-    for parameter, flag in flags:
-        parameter.requires_grad_(flag)
+        layer._active_adapter = [adapter]

@@ -165,7 +165,6 @@ class GRPOModule(LightningModule):
             return
         check_precision(self.trainer, self.policy)  # before the strategy wraps the module
         self.__dict__["strategy_adapter"] = adapter_for(self.trainer.strategy, self.strategy_adapter)
-        tri_model.check_lora_strategy(self.lora, self.strategy_adapter, self.trainer.strategy)
         self.strategy_adapter.prepare(self.max_grad_norm, self.shape.micro_batch_size)
 
     def compute_dtype(self, precision: str | None = None) -> torch.dtype:

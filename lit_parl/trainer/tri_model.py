@@ -23,7 +23,7 @@ import copy
 
 import torch
 
-from lit_parl.models.lora import SNAPSHOT, LoRASettings, adapter_active, adapters_off, add_lora, snapshot_adapter
+from lit_parl.models.lora import SNAPSHOT, TRAINED, LoRASettings, adapter_active, adapters_off, add_lora
 
 
 def _frozen_copy(model: torch.nn.Module) -> torch.nn.Module:
@@ -41,15 +41,6 @@ def frozen_views(policy, objective, shape, lora: LoRASettings | None):
     reference = _frozen_copy(policy) if objective.needs_reference else None
     old = _frozen_copy(policy) if shape.optimizer_steps > 1 else None
     return reference, old
-
-
-def check_lora_strategy(lora: LoRASettings | None, adapter, strategy) -> None:
-    """Refuse LoRA under a strategy whose adapter has not been made to run it (``supports_lora``)."""
-    if lora is not None and not adapter.supports_lora:
-        raise ValueError(
-            f"GRPOModule(lora=...) runs on one device, under DDP or FSDP2, not yet under {type(strategy).__name__}: "
-            "use trainer=ddp or trainer=fsdp2 (or one device), or train the full weights (module.lora=null)"
-        )
 
 
 def frozen_logprobs(module, batch, logp: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -78,7 +69,7 @@ def take_snapshot(module) -> None:
     if module.old is not None:
         module.strategy_adapter.copy_weights(module.policy, module.old)
     elif module.lora is not None and module.shape.optimizer_steps > 1:
-        snapshot_adapter(module.policy)
+        module.strategy_adapter.copy_adapter(module.policy, TRAINED, SNAPSHOT)
 
 
 def theta_k_in_policy(module):

@@ -96,10 +96,10 @@ def test_the_resumed_iteration_generates_from_its_starting_weights(tmp_path):
     pushed = []
 
     class Recording(WeightSync):
-        def _push(self, named_tensors, version):
+        def _send(self, load, named_tensors, version):
             named_tensors = [(name, tensor.clone()) for name, tensor in named_tensors]
             pushed.append((version, dict(named_tensors)))
-            super()._push(named_tensors, version)
+            super()._send(load, named_tensors, version)
 
     checkpoint = torch.load(tmp_path / "saved" / "step=5.ckpt", weights_only=False)
     module, datamodule = make_components(

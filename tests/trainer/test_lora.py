@@ -32,10 +32,7 @@ from lit_parl.callbacks.full_tensors import full_tensors
 from lit_parl.models import tiny_qwen2
 from lit_parl.models.lora import TRAINED, LoRASettings, adapter_parameters
 from lit_parl.rollout import HFRolloutPool
-from lit_parl.trainer.strategies.deepspeed_zero import DeepSpeedAdapter
-from lit_parl.trainer.strategies.fsdp1 import FSDP1Adapter
-from lit_parl.trainer.strategies.fsdp2 import FSDP2Adapter
-from lit_parl.trainer.tri_model import check_lora_strategy, frozen_logprobs
+from lit_parl.trainer.tri_model import frozen_logprobs
 
 peft = pytest.importorskip("peft")
 
@@ -146,14 +143,6 @@ def test_the_pool_loads_the_merged_weights_every_iteration():
     fit(module, datamodule, 3)
     assert datamodule.launcher.logprob_tolerance() is not None, "the on-policy check must be on"
     assert [name for name, _ in full_tensors(module.policy)] == [name for name, _ in tiny_qwen2()[0].named_parameters()]
-
-
-def test_lora_is_refused_under_a_strategy_not_made_for_it():
-    for adapter in (FSDP1Adapter(None), DeepSpeedAdapter(None)):
-        with pytest.raises(ValueError, match=r"runs on one device, under DDP or FSDP2, not yet under"):
-            check_lora_strategy(LORA, adapter, object())
-        check_lora_strategy(None, adapter, object())
-    check_lora_strategy(LORA, FSDP2Adapter(None), object())
 
 
 def test_the_export_writes_the_adapter_and_the_merged_model_only_on_request(tmp_path):

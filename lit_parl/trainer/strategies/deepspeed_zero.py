@@ -20,7 +20,7 @@ import torch
 from transformers import PreTrainedModel
 
 from lit_parl.kernels.forward import completion_logprobs
-from lit_parl.trainer.strategies.strategy_adapter import StrategyAdapter, forward_through
+from lit_parl.trainer.strategies.strategy_adapter import StrategyAdapter, adapter_pairs, forward_through
 
 
 def is_zero3(parameter: torch.Tensor) -> bool:
@@ -65,8 +65,6 @@ def deepspeed_step(engine, optimizer, scale: float) -> torch.Tensor:
 
 class DeepSpeedAdapter(StrategyAdapter):
     """The engine completes, scales, clips and steps the gradient; under ZeRO-3 the models are partitioned."""
-
-    supports_lora = False  # peft's layers under this strategy's sharding: not tried yet
 
     def __init__(self, strategy=None) -> None:
         super().__init__(strategy)
@@ -134,6 +132,22 @@ class DeepSpeedAdapter(StrategyAdapter):
                     deepspeed.zero.GatheredParameters([t], modifier_rank=0),
                 ):
                     if dist.get_rank() == 0:  # rank 0's copy is what every rank keeps its partition of
+                        t.data.copy_(s.data)
+
+    def copy_adapter(self, model, source, target) -> None:
+        """Under ZeRO-3 pair by pair, gathered, as ``copy_weights``."""
+        if not is_zero3(next(model.parameters())):
+            return super().copy_adapter(model, source, target)
+        import deepspeed
+        import torch.distributed as dist
+
+        with torch.no_grad():
+            for (_, s), (_, t) in zip(*adapter_pairs(model.named_parameters(), source, target), strict=True):
+                with (
+                    deepspeed.zero.GatheredParameters([s], modifier_rank=None),
+                    deepspeed.zero.GatheredParameters([t], modifier_rank=0),
+                ):
+                    if dist.get_rank() == 0:
                         t.data.copy_(s.data)
 
     def ends_step(self, ends_step: bool) -> None:

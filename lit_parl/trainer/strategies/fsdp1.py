@@ -16,7 +16,13 @@ from transformers import PreTrainedModel
 
 from lit_parl.callbacks.full_tensors import fsdp1_units, is_sharded
 from lit_parl.kernels.forward import completion_logprobs
-from lit_parl.trainer.strategies.strategy_adapter import StrategyAdapter, copy_local, decoder_layers, forward_through
+from lit_parl.trainer.strategies.strategy_adapter import (
+    StrategyAdapter,
+    adapter_pairs,
+    copy_local,
+    decoder_layers,
+    forward_through,
+)
 
 
 def wrap_for_fsdp1(model: PreTrainedModel, sharding_strategy=None, frozen: bool = False) -> torch.nn.Module:
@@ -41,8 +47,6 @@ def wrap_for_fsdp1(model: PreTrainedModel, sharding_strategy=None, frozen: bool 
 
 class FSDP1Adapter(StrategyAdapter):
     """Each model an FSDP1 root unit, each decoder layer a unit inside it."""
-
-    supports_lora = False  # peft's layers under this strategy's sharding: not tried yet
 
     def prepare(self, max_grad_norm, micro_batch_size) -> None:
         strategy = self.strategy
@@ -100,6 +104,18 @@ class FSDP1Adapter(StrategyAdapter):
                     FSDP.summon_full_params(target_unit, recurse=False, writeback=True),
                 ):
                     copy_local(s, t)
+
+    def copy_adapter(self, model, source, target) -> None:
+        """Unit by unit, gathered (each adapter's A and B are in their layer's unit, flattened at other offsets, so
+        a rank's pieces of the two do not line up)."""
+        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+        with torch.no_grad():
+            for unit, named in fsdp1_units(model):
+                pairs = adapter_pairs(named, source, target)
+                if pairs[0]:
+                    with FSDP.summon_full_params(unit, recurse=False, writeback=True):
+                        copy_local(*pairs)
 
     def clip_gradients(self, model, max_norm):
         """Through the model's root unit: each rank holds a disjoint piece of the gradient."""

@@ -57,8 +57,6 @@ def shard_for_logprobs(model: PreTrainedModel, mesh, frozen: bool = False) -> Sh
 class FSDP2Adapter(StrategyAdapter):
     """Each model sharded over the data-parallel mesh, computed through its root unit (``ShardedLogprobs``)."""
 
-    supports_lora = True  # adapters are sharded with their layer; full_tensors gathers base, A and B to merge
-
     def __init__(self, strategy=None) -> None:
         super().__init__(strategy)
         self.roots: dict[int, ShardedLogprobs] = {}  # id(model) -> the module that computes its log-probs

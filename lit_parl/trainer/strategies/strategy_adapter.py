@@ -3,8 +3,8 @@
 ``GRPOModule`` touches its models directly in five places, and each depends on how a rank holds them: before
 the strategy wraps the module (``prepare``: refuse what cannot run, hand the strategy the module's settings),
 when Lightning asks for the model layout (``configure_model``), in the log-prob forward (``logprobs``), in
-the θ_k snapshot (``copy_weights``), and at the optimizer step (``step``). One adapter per strategy does all
-five (``lit_parl.trainer.strategies.adapter_for`` picks it):
+the θ_k snapshot (``copy_weights``; LoRA: ``copy_adapter``), and at the optimizer step (``step``). One adapter per
+strategy does all five (``lit_parl.trainer.strategies.adapter_for`` picks it):
 
 - one device or DDP (this class): whole parameters on every rank; DDP averages the gradients in backward;
 - FSDP2 (``ModelParallelStrategy``): a DTensor shard of every parameter (``FSDP2Adapter``);
@@ -42,8 +42,6 @@ class StrategyAdapter:
         strategy: the Lightning strategy (``None`` outside a fit).
     """
 
-    supports_lora = True  # whole parameters: the adapters, θ_k's adapter and the merged reads work as they are
-
     def __init__(self, strategy=None) -> None:
         self.strategy = strategy
 
@@ -67,6 +65,12 @@ class StrategyAdapter:
         """``target ← source``, parameter by parameter, each rank on what it holds (never a second whole model)."""
         with torch.no_grad():
             copy_local(list(source.named_parameters()), list(target.named_parameters()))
+
+    def copy_adapter(self, model: torch.nn.Module, source: str, target: str) -> None:
+        """LoRA adapter ``target`` ← adapter ``source`` in ``model`` (θ_k's snapshot of the trained one), each rank on
+        what it holds."""
+        with torch.no_grad():
+            copy_local(*adapter_pairs(model.named_parameters(), source, target))
 
     def ends_step(self, ends_step: bool) -> None:
         """Before each micro-batch's backward: whether an optimizer step follows it."""
@@ -112,6 +116,17 @@ def copy_local(source: list[tuple[str, torch.Tensor]], target: list[tuple[str, t
                 f"{name} is sharded differently in the two models on this rank ({tuple(s.shape)} and {tuple(t.shape)})"
             )
         t.copy_(s)
+
+
+def adapter_pairs(named, source: str, target: str) -> tuple[list, list]:
+    """``named`` parameters of LoRA adapter ``source`` and of ``target``, each under the name it has in the other
+    (so ``copy_local`` pairs them)."""
+    named = list(named)
+
+    def of(adapter: str) -> list:
+        return [(n.replace(f".{adapter}.", "."), p) for n, p in named if ".lora_" in n and f".{adapter}." in n]
+
+    return of(source), of(target)
 
 
 def forward_through(module: torch.nn.Module, compute):
