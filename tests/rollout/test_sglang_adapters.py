@@ -24,7 +24,6 @@ from lit_parl.rollout.records import SamplingParams
 from lit_parl.rollout.sglang import SGLangRolloutPool
 
 pytest.importorskip("aiohttp")
-peft = pytest.importorskip("peft")
 
 LORA = {"rank": 4, "alpha": 8.0}
 ITERATIONS = 3

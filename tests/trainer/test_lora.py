@@ -12,6 +12,7 @@ from __future__ import annotations
 import copy
 import functools
 
+import peft  # a dev dependency: missing, the suite fails rather than skips
 import pytest
 import torch
 from lightning.pytorch import Callback
@@ -33,8 +34,6 @@ from lit_parl.models import tiny_qwen2
 from lit_parl.models.lora import TRAINED, LoRASettings, adapter_parameters
 from lit_parl.rollout import HFRolloutPool
 from lit_parl.trainer.tri_model import frozen_logprobs
-
-peft = pytest.importorskip("peft")
 
 LORA = LoRASettings(rank=4, alpha=8.0)
 LR = 0.3

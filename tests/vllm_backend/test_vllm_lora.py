@@ -17,7 +17,6 @@ import torch
 
 if importlib.util.find_spec("vllm") is None:
     pytest.skip("vLLM is not installed here; `make test-vllm` runs these tests", allow_module_level=True)
-peft = pytest.importorskip("peft")
 
 from lit_parl.callbacks.full_tensors import (  # noqa: E402
     base_tensors,
