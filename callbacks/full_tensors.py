@@ -54,12 +54,15 @@ def full_tensors(module: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
     yield from _merged(_whole_tensors(module), adapted) if adapted else _whole_tensors(module)
 
 
-def _whole_tensors(module: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
-    """Every parameter whole, under its own name (FSDP1: unit by unit, gathered; ZeRO-3: gathered one by one)."""
+def _whole_tensors(module: torch.nn.Module, keep=None) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every parameter whole, under its own name (FSDP1: unit by unit, gathered; ZeRO-3: gathered one by one);
+    ``keep(name)``: only those, and nothing else gathered (FSDP1: only the units that hold some)."""
     if _is_fsdp1(module):
-        yield from _fsdp1_full_tensors(module)
+        yield from _fsdp1_full_tensors(module, keep)
         return
     for name, parameter in module.named_parameters():
+        if keep is not None and not keep(name):
+            continue
         if hasattr(parameter, "ds_id"):  # ZeRO-3
             import deepspeed
 
@@ -99,12 +102,15 @@ def fsdp1_units(module: torch.nn.Module) -> list[tuple[torch.nn.Module, list[tup
     return [group for group in groups.values() if group[1]]
 
 
-def _fsdp1_full_tensors(module: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+def _fsdp1_full_tensors(module: torch.nn.Module, keep=None) -> Iterator[tuple[str, torch.Tensor]]:
     from torch.distributed.fsdp import FullyShardedDataParallel
 
     for unit, parameters in fsdp1_units(module):
+        kept = [(n, p) for n, p in parameters if keep is None or keep(n)]
+        if not kept:
+            continue
         with FullyShardedDataParallel.summon_full_params(unit, recurse=False, writeback=False):
-            for name, parameter in parameters:
+            for name, parameter in kept:
                 yield name, parameter.detach().clone()  # the gathered storage is freed when the unit is sharded again
 
 
@@ -121,12 +127,16 @@ def lora_adapter(module: torch.nn.Module) -> str:
 def lora_adapter_tensors(module: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
     """``(name, whole detached tensor)`` of the active adapter's A and B in every LoRA layer of ``module``, under
     peft's names (``base_model.model.<layer>.lora_A.weight``: what ``peft.PeftModel.from_pretrained`` and the
-    engines' adapter loaders read). Read as ``full_tensors`` reads (gathers under a sharding strategy): every rank
-    must iterate to the end."""
+    engines' adapter loaders read). Only the adapter's tensors are gathered under a sharding strategy (FSDP1: the
+    units that hold them): every rank must iterate to the end."""
     adapter = lora_adapter(module)
-    for name, tensor in _whole_tensors(module):
-        if ".lora_" in name and f".{adapter}." in name:
-            yield f"{PEFT_PREFIX}{name.replace(f'.{adapter}.', '.')}", tensor
+    for name, tensor in _whole_tensors(module, keep=lambda name: is_adapter_tensor(name, adapter)):
+        yield f"{PEFT_PREFIX}{name.replace(f'.{adapter}.', '.')}", tensor
+
+
+def is_adapter_tensor(name: str, adapter: str | None = None) -> bool:
+    """Whether parameter ``name`` is a LoRA adapter's A or B (of ``adapter``; ``None``: of any)."""
+    return ".lora_" in name and (adapter is None or f".{adapter}." in name)
 
 
 def lora_adapter_config(module: torch.nn.Module) -> dict:
@@ -176,6 +186,8 @@ def _merged(
             held[layer_name]["after"].append((f"{layer_name}.{leaf}", tensor))
         else:
             yield f"{layer_name}.{leaf}", tensor
+    if held:  # a layer whose A and B never came (not a linear LoRA layer): its weight would be lost
+        raise RuntimeError(f"LoRA layers {sorted(held)} gave no lora_A/lora_B weights to merge: linear layers only")
 
 
 def _merge_when_complete(layer_name: str, layer, held: dict) -> Iterator[tuple[str, torch.Tensor]]:

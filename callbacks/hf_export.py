@@ -128,7 +128,8 @@ class HFExport(Callback):
         # every rank below: each gather is a collective; the other ranks take part and keep nothing
         adapter = None
         if has_lora_layers(policy):
-            adapter = {name: tensor.cpu() for name, tensor in lora_adapter_tensors(policy)}
+            tensors = ((name, tensor.cpu()) for name, tensor in lora_adapter_tensors(policy))
+            adapter = dict(tensors) if trainer.is_global_zero else [None for _ in tensors]
         state_dict = None
         if (adapter is None and is_sharded(policy)) or (adapter is not None and self.merge_lora):
             # kept in CPU memory, one tensor at a time on the device (LoRA: the merged weights, under the base
@@ -141,7 +142,7 @@ class HFExport(Callback):
                     pass
         if not trainer.is_global_zero:
             return
-        if adapter is not None:
+        if adapter is not None:  # rank 0's (the others only took part in the gathers)
             self.export_adapter(pl_module, directory / "adapter", adapter)
         if state_dict is not None:
             self.export(pl_module, directory, state_dict)

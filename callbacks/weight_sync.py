@@ -72,7 +72,8 @@ class WeightSync(Callback):
     A policy with LoRA layers (``lit_parl.models.lora``) is pushed merged, base + (α / r) B A. A receiver that
     loads adapters itself (:class:`~lit_parl.callbacks.AdapterReceiver` with ``takes_lora_adapters``: SGLang or
     vLLM with ``sync.lora=adapter``) gets the frozen base once per fit (``sync_weights``, before the first
-    version), then each version's adapter alone (``sync_adapter``): a few MB instead of the model.
+    version), then each version's adapter alone (``sync_adapter``): a few MB instead of the model. The overrides
+    ``policy_tensors`` and ``snapshot_tensors`` are not used then.
 
     Under several ranks every rank runs the push: the gathers are collectives. An embedded pool is one per
     rank (``shared_across_ranks`` false), and each rank pushes to its own. A receiver every rank reaches

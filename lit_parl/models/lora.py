@@ -11,7 +11,8 @@ same weights, so no second copy of the base is ever held:
   forward (``adapter_active``).
 
 What the rollout engines load is the merged policy, base + (α / r) B A, tensor by tensor
-(``lit_parl.callbacks.full_tensors`` merges each LoRA layer's weight as it reads it).
+(``lit_parl.callbacks.full_tensors`` merges each LoRA layer's weight as it reads it), or, with a pool set up for
+it (SGLang's ``pool.sync.lora=adapter``, vLLM's ``pool.lora=adapter``), the base once and then the adapter alone.
 
 Example::
 
@@ -32,7 +33,7 @@ from dataclasses import dataclass
 
 import torch
 
-from lit_parl.callbacks.full_tensors import lora_layers
+from lit_parl.callbacks.full_tensors import is_adapter_tensor, lora_layers
 
 TRAINED = "default"  # the adapter the optimizer trains (peft's default name)
 SNAPSHOT = "theta_k"  # the copy of it taken at each iteration's start
@@ -87,7 +88,18 @@ def add_lora(policy: torch.nn.Module, settings: LoRASettings, with_snapshot: boo
             warnings.filterwarnings("ignore", message="Already found a `peft_config` attribute in the model")
             inject_adapter_in_model(config, policy, adapter_name=SNAPSHOT)
     for name, parameter in policy.named_parameters():
-        parameter.requires_grad_(f".{TRAINED}." in name and "lora_" in name)
+        parameter.requires_grad_(is_adapter_tensor(name, TRAINED))
+    for name, layer in lora_layers(policy).items():
+        if TRAINED not in getattr(layer, "lora_A", {}):  # peft's embedding and convolution layers name theirs otherwise
+            raise ValueError(
+                f"LoRA on {name} ({type(layer).__name__}): lit_parl merges and syncs LoRA on linear layers only; "
+                "leave it out of module.lora.target_modules"
+            )
+        if not (hasattr(layer, "_disable_adapters") and hasattr(layer, "_active_adapter")):
+            raise ImportError(
+                f"this peft ({type(layer).__module__}) keeps a LoRA layer's switches elsewhere than lit_parl reads "
+                "them (_disable_adapters, _active_adapter): install a peft from 0.17 to 0.21"
+            )
     _activate(policy, TRAINED)
     return policy
 
@@ -95,7 +107,7 @@ def add_lora(policy: torch.nn.Module, settings: LoRASettings, with_snapshot: boo
 def adapter_parameters(model: torch.nn.Module, adapter: str = TRAINED) -> Iterator[tuple[str, torch.Tensor]]:
     """``(name, parameter)`` of ``adapter``'s tensors (its A and B of every layer), in ``named_parameters`` order."""
     for name, parameter in model.named_parameters():
-        if "lora_" in name and f".{adapter}." in name:
+        if is_adapter_tensor(name, adapter):
             yield name, parameter
 
 

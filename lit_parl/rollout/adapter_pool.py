@@ -1,6 +1,7 @@
 """AdapterPool: a rollout pool whose engines load the policy's LoRA adapters beside the base they hold.
 
-With ``takes_lora_adapters`` true (the pool's ``sync.lora: adapter``), ``lit_parl.callbacks.WeightSync`` pushes a
+With ``takes_lora_adapters`` true (SGLang's ``pool.sync.lora=adapter``, vLLM's ``pool.lora=adapter``),
+``lit_parl.callbacks.WeightSync`` pushes a
 LoRA policy's frozen base once per fit (``sync_weights``) and then, each iteration, only its adapter
 (``sync_adapter``): the A and B tensors under peft's names, and peft's config of them. The engine serves the
 version's adapter under a name of its own (``adapter_name``), and the pool names it in every request of that
@@ -21,7 +22,7 @@ from typing import final
 
 from lit_parl.rollout.rollout_pool import RolloutPool, WeightBucket
 
-ADAPTER_MODES = ("merged", "adapter")  # how a LoRA policy reaches the engines (the pools' ``sync.lora``)
+ADAPTER_MODES = ("merged", "adapter")  # how a LoRA policy reaches the engines (each pool's ``lora`` setting)
 
 
 def adapter_name(version: int) -> str:
@@ -59,7 +60,8 @@ class AdapterPool(RolloutPool):
         policy ``version``; return once every engine serves it."""
         if not self.takes_lora_adapters:
             raise RuntimeError(
-                f"{type(self).__name__} was not set up to load LoRA adapters (sync.lora=adapter): push merged weights"
+                f"{type(self).__name__} was not set up to load LoRA adapters (SGLang: pool.sync.lora=adapter; vLLM: "
+                "pool.lora=adapter): push merged weights"
             )
         self._push("sync_adapter", functools.partial(self._load_adapter, config=config), buckets, version)
 

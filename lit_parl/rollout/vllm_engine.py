@@ -45,9 +45,8 @@ these signatures):
   ``model.logits_processor.scale`` (``LogitsProcessor``, ``vllm/model_executor/layers/logits_processor.py``),
   ``lm_head.quant_method.process_weights_after_loading(layer)`` and ``model_config.hf_text_config``.
 
-LoRA adapters alone (``load_adapter``): ``LLMEngine.add_lora``/``remove_lora`` with a ``vllm.lora.request.LoRARequest``
-per version (a new name and id: vLLM keeps serving an id it holds), read from a peft adapter directory, and
-``add_request(..., lora_request=...)``; the engine started with ``enable_lora``.
+LoRA adapters alone (``load_adapter``): ``LLMEngine.add_lora``/``remove_lora`` with a ``LoRARequest`` per version
+(a new name and id: vLLM keeps serving an id it holds), from a peft adapter directory; ``enable_lora`` engines.
 
 vLLM 0.32.0's documented RL weight-update API (the weight-transfer engines, ``vllm/distributed/weight_transfer/``)
 is not used: its backends move GPU tensors only (NCCL, CUDA IPC) and its ``update_weights`` ends in
@@ -133,7 +132,8 @@ class VLLMEngine:
 
         directory = write_adapter(tensors, config, version, self.adapter_root)
         request = LoRARequest(adapter_name(version), version + 1, str(directory))  # ids start at 1
-        if not self.engine.add_lora(request):
+        if not self.engine.add_lora(request):  # (on an exception the directory goes with the pool's, at close)
+            shutil.rmtree(directory, ignore_errors=True)
             raise RuntimeError(f"vLLM did not load the LoRA adapter of version {version}")
         self._retire_adapter()
         self.lora = request

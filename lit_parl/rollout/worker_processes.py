@@ -288,7 +288,8 @@ class WorkerProcesses:
             target=read_messages, args=(reader, worker, self._messages), name=f"{process.name}-results", daemon=True
         ).start()
         if version is not None:
-            for message in self.weights.catch_up(version):
+            messages = self.weights.catch_up(version)
+            for message in messages:
                 inbox.put(message)
-            worker.owed_syncs += [version] * (2 if self.weights.adapter is not None else 1)  # Sync, LoadAdapter
+            worker.owed_syncs += [version] * (len(messages) - 1)  # each but the Attach is answered by a Synced
         return worker

@@ -281,7 +281,7 @@ class GRPOModule(LightningModule):
         checkpoint["lit_parl_nonfinite"] = self.guard.state_dict()
         self.progress.save(checkpoint)  # a checkpoint between micro-batches of a step resumes from that step's start
         # inside an iteration θ_k is kept: a resume pushes it to the pool and trains the rest of the iteration against
-        # it. Under FSDP2 nothing is left out: its loader fills the module's every key before this module sees the file.
+        # it. Under a sharding strategy nothing is left out: its loader fills every key before this module sees it.
         inside, sharded = self.progress.inside, is_sharded(self.policy)
         leave_out(checkpoint, self._reference_fingerprint, inside, keep_all=sharded, lora=self.lora is not None)
 

@@ -9,8 +9,8 @@
   same way, so a checkpoint holds the adapters (and the optimizer's state of them) only; θ_k's adapter is left
   out between iterations (it is the trained adapter then).
 
-Under a strategy that writes sharded checkpoints (FSDP2's distributed checkpoint) both stay in it: each rank
-writes its own shard, never a whole copy, and the loader reads every key of the module's state.
+Under a sharding strategy (FSDP2, FSDP1, DeepSpeed) everything stays in: the strategy writes the module's state
+itself (each rank its own shards, never a whole copy), and its loader reads every key of it.
 
 Example::
 
@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import torch
 
+from lit_parl.callbacks.full_tensors import is_adapter_tensor
 from lit_parl.models.lora import SNAPSHOT, TRAINED
 
 Fingerprint = list[tuple[str, float, float]]
@@ -41,12 +42,8 @@ def fingerprint(model: torch.nn.Module) -> Fingerprint:
         return [
             (name, float(p.double().sum()), float(p.double().square().sum()))
             for name, p in model.named_parameters()
-            if not _is_adapter(name)
+            if not is_adapter_tensor(name)
         ]
-
-
-def _is_adapter(name: str) -> bool:
-    return ".lora_" in name
 
 
 def _rebuilt(name: str, inside_iteration: bool, lora: bool) -> bool:
@@ -56,7 +53,7 @@ def _rebuilt(name: str, inside_iteration: bool, lora: bool) -> bool:
     if name.startswith("old."):
         return not inside_iteration
     if lora and name.startswith("policy."):
-        return not _is_adapter(name) or (f".{SNAPSHOT}." in name and not inside_iteration)
+        return not is_adapter_tensor(name) or (f".{SNAPSHOT}." in name and not inside_iteration)
     return False
 
 
@@ -108,9 +105,10 @@ def put_back(
         state.update(
             {f"old.{name[len('policy.') :]}": tensor for name, tensor in state.items() if name.startswith("policy.")}
         )
-    if lora_policy is not None:
+    left_out = lora_policy is not None and any(f"policy.{n}" not in state for n, _ in lora_policy.named_parameters())
+    if left_out:  # the rebuilt policy's state is read (under a sharding strategy: gathered) only when needed
         rebuilt = {f"policy.{name}": tensor for name, tensor in lora_policy.state_dict().items()}
-        base = {name: tensor for name, tensor in rebuilt.items() if not _is_adapter(name) and name not in state}
+        base = {name: tensor for name, tensor in rebuilt.items() if not is_adapter_tensor(name) and name not in state}
         if base:
             _check(checkpoint, lora_policy)
             state.update(base)

@@ -31,7 +31,7 @@ from lit_parl import GRPOObjective
 from lit_parl.callbacks import HFExport
 from lit_parl.callbacks.full_tensors import full_tensors
 from lit_parl.models import tiny_qwen2
-from lit_parl.models.lora import TRAINED, LoRASettings, adapter_parameters
+from lit_parl.models.lora import TRAINED, LoRASettings, adapter_parameters, add_lora
 from lit_parl.rollout import HFRolloutPool
 from lit_parl.trainer.tri_model import frozen_logprobs
 
@@ -151,3 +151,19 @@ def test_the_export_writes_the_adapter_and_the_merged_model_only_on_request(tmp_
     assert (export.saved_to / "adapter" / "adapter_model.safetensors").exists()
     assert (export.saved_to / "adapter" / "adapter_config.json").exists()
     assert not list(export.saved_to.glob("*.safetensors")), "the merged model was written without merge_lora"
+
+
+def test_lora_on_a_layer_other_than_linear_is_refused():
+    """peft's embedding LoRA names its tensors otherwise: the merge would drop that layer's weight, so it is refused."""
+    with pytest.raises(ValueError, match=r"LoRA on model.embed_tokens \(Embedding\): .* linear layers only"):
+        add_lora(tiny_qwen2()[0], LoRASettings(rank=4, target_modules=("q_proj", "embed_tokens")))
+
+
+def test_a_lora_layer_whose_adapter_tensors_never_come_is_an_error_not_a_lost_weight():
+    from lit_parl.callbacks.full_tensors import lora_layers
+
+    policy = add_lora(tiny_qwen2()[0], LORA)
+    name, layer = next(iter(lora_layers(policy).items()))
+    del layer.lora_A[TRAINED]  # as an adapter layer of another kind would look to the merge
+    with pytest.raises(RuntimeError, match=rf"LoRA layers \['{name}'\] gave no lora_A/lora_B weights to merge"):
+        list(full_tensors(policy))

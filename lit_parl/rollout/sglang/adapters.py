@@ -99,8 +99,9 @@ class AdapterLoader:
 
         self.loaded = None
         run(each(servers, load_on))
-        if previous is not None and previous != name:
-            run(_quietly(each(servers, lambda s: weights._update(s, UNLOAD, {"lora_name": previous}))))
+        if previous is not None and previous != name:  # one a server no longer holds (it restarted) is gone anyway
+            unloads = (weights._update(s, UNLOAD, {"lora_name": previous}) for s in servers)
+            run(_quietly(unloads))
         stamp = {"new_version": str(version), "abort_all_requests": False}
         run(each(servers, lambda s: weights._update(s, "/update_weight_version", stamp)))
         weights.check_reported(servers, version)
@@ -109,5 +110,5 @@ class AdapterLoader:
 
 
 async def _quietly(calls) -> None:
-    """A previous adapter a server no longer holds (it restarted) is not an error: it is gone either way."""
-    await asyncio.gather(calls, return_exceptions=True)
+    """Every call to its end, failed or not."""
+    await asyncio.gather(*calls, return_exceptions=True)

@@ -29,6 +29,7 @@ from collections.abc import Callable
 
 import torch
 
+from lit_parl.callbacks.full_tensors import is_adapter_tensor
 from lit_parl.kernels.forward import completion_logprobs
 
 # what the module gives ``step`` to decide whether the step is taken, from the gradient's global norm
@@ -124,7 +125,7 @@ def adapter_pairs(named, source: str, target: str) -> tuple[list, list]:
     named = list(named)
 
     def of(adapter: str) -> list:
-        return [(n.replace(f".{adapter}.", "."), p) for n, p in named if ".lora_" in n and f".{adapter}." in n]
+        return [(n.replace(f".{adapter}.", "."), p) for n, p in named if is_adapter_tensor(n, adapter)]
 
     return of(source), of(target)
 
