@@ -356,6 +356,9 @@ def main() -> None:
         "val": {name: float(value) for name, value in trainer.callback_metrics.items() if name.startswith("val/")},
     }
     (out / f"rank{rank}.json").write_text(json.dumps(record))
+    if torch.distributed.is_initialized():  # left to the interpreter's exit, gloo's threads once aborted it (-6)
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":
