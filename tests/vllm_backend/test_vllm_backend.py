@@ -676,22 +676,35 @@ def test_the_vllm_functions_the_pool_calls_still_take_its_arguments():
 
 
 # -- training -----------------------------------------------------------------------------------------
-def test_three_iterations_of_the_default_job_through_the_cli_on_vllm(tmp_path):
+def vllm_job(run_dir: Path, *overrides: str):
+    """``(module, datamodule, trainer)`` of a 3-iteration CLI job through the vLLM pool (8 prompts), in ``run_dir``."""
     with initialize_config_module(config_module="lit_parl.conf", version_base="1.3"):
         cfg = compose(
             config_name="config",
             overrides=[
                 "pool=vllm",
                 "iterations=3",
-                f"run_dir={tmp_path}",
+                f"run_dir={run_dir}",
                 "checkpoint_every=0",
                 "trainer.max_time=00:00:10:00",
                 "shape.prompts=8",
                 "shape.micro_batch_size=16",
                 f"pool.kv_cache_memory_bytes={KV_CACHE}",
+                *overrides,
             ],
         )
-    module, datamodule, trainer = build(cfg)
+    return build(cfg)
+
+
+def logprob_mismatches(run_dir: Path) -> list[float]:
+    """Each iteration's rollout-vs-trainer log-prob difference, from the run's ``metrics.csv``."""
+    with open(run_dir / "metrics.csv") as f:
+        column = "mismatch/logprob_abs_diff"
+        return [float(row[column]) for row in csv.DictReader(f) if row.get(column)]
+
+
+def test_three_iterations_of_the_default_job_through_the_cli_on_vllm(tmp_path):
+    module, datamodule, trainer = vllm_job(tmp_path)
     assert isinstance(datamodule.pool, VLLMRolloutPool)
     initial = {k: v.detach().clone() for k, v in module.policy.state_dict().items()}
     seen, workers = [], {}
@@ -718,9 +731,7 @@ def test_three_iterations_of_the_default_job_through_the_cli_on_vllm(tmp_path):
     for version in range(3):
         prompt_ids = [p for _, v, p in seen if v == version]
         assert sorted(prompt_ids) == list(range(8 * version, 8 * version + 8)), "each prompt exactly once"
-    with open(tmp_path / "metrics.csv") as f:
-        column = "mismatch/logprob_abs_diff"
-        mismatch = [float(row[column]) for row in csv.DictReader(f) if row.get(column)]
+    mismatch = logprob_mismatches(tmp_path)
     assert len(mismatch) == 3 and max(mismatch) < 1e-3, f"rollout vs trainer log-probs: {mismatch}"
     moved = any(not torch.equal(initial[k], v) for k, v in module.policy.state_dict().items())
     assert moved, "training did not move the policy"

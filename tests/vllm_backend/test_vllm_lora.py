@@ -27,7 +27,15 @@ from lit_parl.callbacks.full_tensors import (  # noqa: E402
 from lit_parl.models.lora import LoRASettings, add_lora  # noqa: E402
 from lit_parl.rollout import VLLMRolloutPool  # noqa: E402
 from lit_parl.rollout.records import SamplingParams  # noqa: E402
-from vllm_backend.test_vllm_backend import KV_CACHE, group_requests, max_logprob_gap, save_spec, tiny  # noqa: E402
+from vllm_backend.test_vllm_backend import (  # noqa: E402
+    KV_CACHE,
+    group_requests,
+    logprob_mismatches,
+    max_logprob_gap,
+    save_spec,
+    tiny,
+    vllm_job,
+)
 
 SAMPLING = SamplingParams(max_new_tokens=6, temperature=0.8)
 
@@ -142,29 +150,7 @@ def test_the_adapter_directory_is_what_vllms_own_loader_reads(tmp_path):
 def test_a_lora_fit_through_the_cli_sends_the_adapters_alone_and_stays_on_policy(tmp_path):
     """``lit-parl lora=r16 pool=vllm pool.lora=adapter``: three iterations with the on-policy check at the float32
     bound, the base pushed once and an adapter each iteration (the workers' version follows), the adapters moved."""
-    import csv
-
-    from hydra import compose, initialize_config_module
-
-    from lit_parl.cli import build
-
-    with initialize_config_module(config_module="lit_parl.conf", version_base="1.3"):
-        cfg = compose(
-            config_name="config",
-            overrides=[
-                "pool=vllm",
-                "lora=r16",
-                "pool.lora=adapter",
-                "optimizer.lr=5e-2",
-                "iterations=3",
-                f"run_dir={tmp_path}",
-                "checkpoint_every=0",
-                "shape.prompts=8",
-                "shape.micro_batch_size=16",
-                f"pool.kv_cache_memory_bytes={KV_CACHE}",
-            ],
-        )
-    module, datamodule, trainer = build(cfg)
+    module, datamodule, trainer = vllm_job(tmp_path, "lora=r16", "pool.lora=adapter", "optimizer.lr=5e-2")
     pool = datamodule.pool
     pushes = []
     sync_weights, sync_adapter = pool.sync_weights, pool.sync_adapter
@@ -179,9 +165,7 @@ def test_a_lora_fit_through_the_cli_sends_the_adapters_alone_and_stays_on_policy
         pool.close()
     assert pushes == [("base", 0), ("adapter", 0), ("adapter", 1), ("adapter", 2)]
     assert [s.version for s in datamodule.history] == [0, 1, 2]
-    with open(tmp_path / "metrics.csv") as f:
-        column = "mismatch/logprob_abs_diff"
-        mismatch = [float(row[column]) for row in csv.DictReader(f) if row.get(column)]
+    mismatch = logprob_mismatches(tmp_path)
     assert len(mismatch) == 3 and max(mismatch) < 1e-4, f"rollout vs trainer log-probs: {mismatch}"
     moved = max(float(p.detach().abs().max()) for n, p in module.policy.named_parameters() if ".lora_B." in n)
     assert moved > 1e-3, "the adapters did not move: the later iterations' check proves nothing"
