@@ -19,7 +19,8 @@ async/sync ratio, the overlap efficiency per iteration,
 (gen_busy + train_busy - iteration_wall) / min(gen_busy, train_busy), 1.0 meaning the shorter phase is
 completely hidden, and where the rest goes: the trainer's wait for its first micro-batch and the gaps
 between its steps. Three workloads: balanced (generation time ~ training time), generation-heavy (long
-completions of ragged lengths: groups finish at different times) and training-heavy.
+completions of ragged lengths: groups finish at different times) and training-heavy; and ``episodes``:
+multi-turn games of uneven length (1 to 8 turns, docs/episodes.md), where a completion is an episode.
 
     .venv/bin/python benchmarks/pipeline/async_vs_sync.py                 # all three, 3 runs per mode each
     .venv/bin/python benchmarks/pipeline/async_vs_sync.py --workloads balanced --reps 5 --json out.json
@@ -48,7 +49,6 @@ from lit_parl.callbacks import load_timeline
 ROOT = Path(__file__).resolve().parents[2]
 
 COMMON = [
-    "data=copy",
     "checkpoint_every=0",
     "trainer.max_time=null",
     "+trainer.enable_progress_bar=false",
@@ -59,9 +59,27 @@ COMMON = [
 # Each workload: overrides on top of COMMON. Tuned on this 2-core machine so that, in async mode, the
 # balanced workload spends about as long generating as training (see RESULTS.md for the measured split).
 WORKLOADS = {
-    "balanced": ["sampling.max_new_tokens=12", "shape.micro_batch_size=64", "pool.prompts_per_request=8"],
-    "generation-heavy": ["sampling.max_new_tokens=48", "shape.micro_batch_size=64", "pool.prompts_per_request=8"],
+    "balanced": ["data=copy", "sampling.max_new_tokens=12", "shape.micro_batch_size=64", "pool.prompts_per_request=8"],
+    "generation-heavy": [
+        "data=copy",
+        "sampling.max_new_tokens=48",
+        "shape.micro_batch_size=64",
+        "pool.prompts_per_request=8",
+    ],
+    # multi-turn episodes of uneven length (docs/episodes.md): the number game with up to 8 guesses, so a game
+    # won at once ends after one turn and a lost one plays all eight (the long tail)
+    "episodes": [
+        "data=guess_number",
+        "env=guess_number",
+        "reward=environment",
+        "sampling.max_new_tokens=3",
+        "datamodule.episodes.max_turns=8",
+        "datamodule.episodes.max_episode_tokens=32",
+        "shape.micro_batch_size=64",
+        "pool.prompts_per_request=8",
+    ],
     "training-heavy": [
+        "data=copy",
         "sampling.max_new_tokens=8",
         "shape.micro_batch_size=64",
         "pool.prompts_per_request=8",

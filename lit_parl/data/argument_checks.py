@@ -17,6 +17,7 @@ from __future__ import annotations
 from transformers import PretrainedConfig
 
 from lit_parl.data.iteration_shape import IterationShape
+from lit_parl.episodes.episode_settings import EpisodeSettings
 from lit_parl.models.limits import check_context
 from lit_parl.rollout.records import SamplingParams
 from lit_parl.rollout.rollout_pool import RolloutPool
@@ -31,6 +32,7 @@ def check_arguments(
     logprob_tolerance: float | str | None,
     config: PretrainedConfig,
     shape: IterationShape,
+    episodes: EpisodeSettings | None = None,
 ) -> None:
     """Raise ``ValueError`` (``TypeError`` for a pool of the wrong kind) naming the argument and the fix: the
     mode, the pool, sampling that cannot train, the tolerance, the model's context (``check_context``) and the
@@ -52,5 +54,8 @@ def check_arguments(
             f"RolloutDataModule(logprob_tolerance={logprob_tolerance!r}): give a number > 0, 'auto' (the pool's) "
             "or None (no check)"
         )
-    check_context(config, sampling.max_new_tokens)
+    if episodes is None:
+        check_context(config, sampling.max_new_tokens)
+    else:
+        check_context(config, episodes.max_episode_tokens, "episodes.max_episode_tokens")
     pool.check_capacity(shape, sampling)

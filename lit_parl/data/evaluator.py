@@ -23,6 +23,7 @@ Example::
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -31,6 +32,9 @@ from lit_parl.data.prompt_schedule import PromptSchedule
 from lit_parl.errors import OffPolicyError
 from lit_parl.rollout.records import GroupRequest, SamplingParams, sample_seed
 from lit_parl.rollout.rollout_pool import RolloutPool
+
+if TYPE_CHECKING:
+    from lit_parl.episodes.episode_runner import EpisodeRunner
 
 
 @dataclass(frozen=True)
@@ -83,6 +87,7 @@ class Evaluator:
         correct_reward: a sample is correct when its total reward reaches this.
         max_samples_per_call: samples sent to the pool in one ``generate`` call (the training iteration's
             N x G, which the pool was checked to serve): a large eval set goes in chunks.
+        episodes: plays multi-turn episodes over the pool (``None``: one completion per sample).
     """
 
     def __init__(
@@ -92,6 +97,7 @@ class Evaluator:
         scorer: GroupScorer,
         correct_reward: float,
         max_samples_per_call: int = 256,
+        episodes: EpisodeRunner | None = None,
     ) -> None:
         rows = schedule.usable_rows
         if settings.prompts is None and rows is None:
@@ -104,6 +110,7 @@ class Evaluator:
         self.settings, self.schedule, self.scorer, self.correct_reward = settings, schedule, scorer, correct_reward
         self.prompts = settings.prompts if settings.prompts is not None else rows
         self.max_samples_per_call = max_samples_per_call
+        self.episodes = episodes
 
     @classmethod
     def for_run(
@@ -114,6 +121,7 @@ class Evaluator:
         scorer: GroupScorer,
         correct_reward: float,
         max_samples_per_call: int,
+        episodes: EpisodeRunner | None = None,
     ) -> Evaluator | None:
         """The run's evaluator (``None`` when evaluation is off): ``held_out`` prompts (a ``PromptSource``) drawn by
         ``make_schedule(held_out)``."""
@@ -125,7 +133,7 @@ class Evaluator:
                 "give eval_data, or a data source with an eval split "
                 "(e.g. DatasetPrompts(eval_split=... or eval_rows=...))"
             )
-        return cls(settings, make_schedule(held_out), scorer, correct_reward, max_samples_per_call)
+        return cls(settings, make_schedule(held_out), scorer, correct_reward, max_samples_per_call, episodes)
 
     def run(self, pool: RolloutPool, version: int, sampling: SamplingParams) -> dict[str, float]:
         """Every configured pass on the held-out prompts with the pool's weights (version ``version``)."""
@@ -147,7 +155,12 @@ class Evaluator:
             correct, rewards = [], []
             chunk = max(1, self.max_samples_per_call // k)
             for start in range(0, len(requests), chunk):
-                for completions in pool.generate(requests[start : start + chunk], params):
+                chunk_requests = requests[start : start + chunk]
+                if self.episodes is not None:
+                    stream = self.episodes.generate(pool, chunk_requests, params, drawn)
+                else:
+                    stream = pool.generate(chunk_requests, params)
+                for completions in stream:
                     group = self.scorer.score(drawn[completions.prompt_id], completions)
                     rewards.extend(group.rewards)
                     correct.append([r >= self.correct_reward for r in group.rewards])

@@ -79,6 +79,11 @@ class GroupAcceptor:
                     f"prompt {group.prompt_id} sample {group.sample_indices[k]}: "
                     f"{len(completion)} tokens but {len(group.logprobs[k])} log-probs"
                 )
+            if group.loss_masks is not None and len(group.loss_masks[k]) != len(completion):
+                raise RuntimeError(
+                    f"prompt {group.prompt_id} sample {group.sample_indices[k]}: "
+                    f"{len(completion)} tokens but a loss mask of {len(group.loss_masks[k])}"
+                )
         rewards = torch.tensor(group.rewards, dtype=torch.float32)
         lengths = torch.tensor([len(c) for c in group.completions])
         truncated = torch.tensor([reason == "length" for reason in group.finish_reasons])
@@ -111,6 +116,7 @@ class GroupAcceptor:
                     name: values[k] for name, values in group.reward_components.items() if values[k] is not None
                 },
                 reward_failures=tuple(name for name, positions in group.reward_failures.items() if k in positions),
+                loss_mask=None if group.loss_masks is None else list(group.loss_masks[k]),
             )
             for k, sample in enumerate(group.sample_indices)
         ]

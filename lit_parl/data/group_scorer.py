@@ -44,6 +44,8 @@ from lit_parl.rewards.reward import Reward, as_reward
 from lit_parl.rewards.scoring_policy import ScoringPolicy, score_group
 from lit_parl.rollout.records import Group, GroupCompletions
 
+ENVIRONMENT_FAILURES = "environment"  # where a failed environment is counted: reward/environment/failures
+
 
 class GroupScorer:
     """Scores streamed groups with every reward, on ``workers`` threads.
@@ -89,9 +91,10 @@ class GroupScorer:
         row, fields = drawn.row, self._fields
         texts = (
             self.tokenizer.batch_decode(completions.completions, skip_special_tokens=True)
-            if "completion" in fields
+            if "completion" in fields or ("turns" in fields and completions.episodes is None)
             else None
         )
+        episodes = completions.episodes
         samples = []
         for k, (ids, reason) in enumerate(zip(completions.completions, completions.finish_reasons)):
             sample = {
@@ -110,6 +113,10 @@ class GroupScorer:
                 sample["metadata"] = copy.deepcopy(dict(row.metadata))
             if "messages" in fields:
                 sample["messages"] = [dict(m) for m in row.messages] if row.is_chat else None
+            if "env_reward" in fields:
+                sample["env_reward"] = 0.0 if episodes is None else episodes[k].env_reward
+            if "turns" in fields:
+                sample["turns"] = [("assistant", texts[k])] if episodes is None else list(episodes[k].turns)
             samples.append(sample)
         return samples
 
@@ -118,6 +125,10 @@ class GroupScorer:
         if drawn is None:
             return completions.scored([float("nan")] * len(completions.completions))
         scored = score_group(self.rewards, self.inputs(drawn, completions), self.policy, completions.prompt_id)
+        for k, episode in enumerate(completions.episodes or ()):
+            if episode.failed is not None:  # its environment failed: the episode scores the policy's value, counted
+                scored.totals[k] = self.policy.error_score
+                scored.failures.setdefault(ENVIRONMENT_FAILURES, []).append(k)
         return completions.scored(scored.totals, scored.components, scored.failures)
 
     def stream(self, groups: Iterator[GroupCompletions], drawn: dict[int, DrawnPrompt]) -> Iterator[Group]:

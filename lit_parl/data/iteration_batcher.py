@@ -24,9 +24,10 @@ from lit_parl.data.group_acceptor import GroupAcceptor
 from lit_parl.data.group_scorer import GroupScorer
 from lit_parl.data.iteration_stats import IterationStats
 from lit_parl.data.micro_batch import MicroBatch, Packing, Trajectory, collate
-from lit_parl.data.prompt_schedule import PromptSchedule
+from lit_parl.data.prompt_schedule import DrawnPrompt, PromptSchedule
 from lit_parl.data.rank_share import RankShare
-from lit_parl.rollout.records import SamplingParams
+from lit_parl.episodes.episode_runner import EpisodeRunner
+from lit_parl.rollout.records import GroupCompletions, GroupRequest, SamplingParams
 from lit_parl.rollout.rollout_pool import RolloutPool
 
 
@@ -50,6 +51,7 @@ class IterationBatcher:
             trainer accepts in a group (``lit_parl.trainer.guards.off_policy_problem``); None: unchecked.
         open_slots_everywhere: with dynamic sampling, this rank's open (global) slots in, every rank's out,
             sorted; one call per refill round on every rank. On one device: the slots given.
+        episodes: plays multi-turn episodes over the pool (``None``: one completion per sample).
     """
 
     share: RankShare
@@ -65,6 +67,7 @@ class IterationBatcher:
     max_sampling_rounds: int = 8
     logprob_tolerance: float | None = None
     open_slots_everywhere: Callable[[list[int]], list[int]] = sorted
+    episodes: EpisodeRunner | None = None
 
     def micro_batches(self, version: int, stats: IterationStats) -> Iterator[MicroBatch]:
         share = self.share
@@ -108,7 +111,7 @@ class IterationBatcher:
                 continue
             drawn = self.schedule.draw(list(slot_of), version)
             requests = {prompt_id: d.request for prompt_id, d in drawn.items()}
-            groups = self.scorer.stream(self.pool.generate(list(requests.values()), self.sampling), drawn)
+            groups = self.scorer.stream(self._generate(list(requests.values()), drawn), drawn)
             if self.materialize:  # the colocated baseline: generate everything, then train
                 groups = iter(list(groups))
             waiting = dict(requests)
@@ -131,7 +134,7 @@ class IterationBatcher:
                         raise RuntimeError(
                             f"the pool returned prompt_id {extra.prompt_id} after the round was complete"
                         )
-                    stats.gen_intervals.extend(self.pool.busy_intervals())  # this round's; the pool keeps only the last
+                    stats.gen_intervals.extend(self._busy_intervals())  # this round's; the pool keeps only the last
                 if self.dynamic_sampling and trajectories[0].zero_variance:
                     dropped.append((slot, trajectories))
                     stats.dropped_groups += 1
@@ -153,3 +156,11 @@ class IterationBatcher:
         # Only a prefetch thread gets here (Lightning never resumes after the last micro-batch): tokenize the
         # next iteration's prompts while the trainer finishes this one, off the next iteration's critical path.
         self.schedule.tokenize_ahead([next_first + slot for slot in share.slots])
+
+    def _generate(self, requests: list[GroupRequest], drawn: dict[int, DrawnPrompt]) -> Iterator[GroupCompletions]:
+        if self.episodes is None:
+            return self.pool.generate(requests, self.sampling)
+        return self.episodes.generate(self.pool, requests, self.sampling, drawn)
+
+    def _busy_intervals(self) -> list[tuple[float, float]]:
+        return self.pool.busy_intervals() if self.episodes is None else self.episodes.busy_intervals()

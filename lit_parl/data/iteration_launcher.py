@@ -53,7 +53,7 @@ class IterationLauncher:
         data = self.data
         correct = data.correct_reward
         acceptor = GroupAcceptor(
-            data.objective, data.shape.group_size, data.sampling.max_new_tokens, lambda reward: reward >= correct
+            data.objective, data.shape.group_size, data.completion_limit, lambda reward: reward >= correct
         )
         return IterationBatcher(
             data.share,
@@ -69,6 +69,7 @@ class IterationLauncher:
             max_sampling_rounds=data.max_sampling_rounds,
             logprob_tolerance=self.logprob_tolerance(),
             open_slots_everywhere=data.slots.everywhere,
+            episodes=data.episodes,
         )
 
     def logprob_tolerance(self) -> float | None:

@@ -31,6 +31,7 @@ class Trajectory:
     zero_variance: bool = False  # its group's (shaped) rewards were all equal
     reward_components: dict[str, float] = field(default_factory=dict)  # each reward's value (failed calls left out)
     reward_failures: tuple[str, ...] = ()  # rewards whose call failed on this sample (scored by the policy)
+    loss_mask: list[int] | None = None  # 0 on an episode's environment tokens (None: every token the model's)
 
 
 @dataclass
@@ -146,6 +147,11 @@ def collate(
     else:
         shared = packing == "shared_prompt"
     tokens = pack(groups, pad_id, shared_prompt=shared, max_row_tokens=max_row_tokens)
+    if any(t.loss_mask is not None for t in ordered):  # an episode's environment tokens: no loss, no normaliser
+        keep = [m for t in ordered for m in (t.loss_mask or [1] * len(t.completion_tokens))]
+        dropped = tokens.label_slots[torch.tensor(keep, dtype=torch.bool).logical_not()]
+        tokens.completion_mask = tokens.completion_mask.clone()
+        tokens.completion_mask.view(-1)[dropped] = False
     rollout_logprobs = torch.zeros(tokens.completion_mask.shape, dtype=torch.float32)
     if all(len(t.rollout_logprobs) == len(t.completion_tokens) for t in ordered):
         # one log-prob per completion token: they fill exactly the label slots, in order

@@ -38,6 +38,8 @@ from lit_parl.data.prompt_schedule import PromptSchedule
 from lit_parl.data.rank_share import RankShare, SlotExchange
 from lit_parl.data.resume_point import ResumePoint
 from lit_parl.data.version_gate import VersionGate
+from lit_parl.episodes.episode_runner import EpisodeRunner
+from lit_parl.episodes.episode_settings import EpisodeSettings
 from lit_parl.models.limits import context_length
 from lit_parl.prompts.prompt_format import PromptFormat
 from lit_parl.prompts.prompt_row import PromptSource
@@ -82,6 +84,8 @@ class RolloutDataModule(LightningDataModule):
             group may show before the run stops (the pool did not use the weights it reported);
             ``"auto"``: the pool's own (``RolloutPool.logprob_tolerance``), at least the bfloat16 bound when
             the trainer runs in lower precision or on an accelerator; ``None``: no check.
+        episodes: multi-turn episodes (``lit_parl.episodes.EpisodeSettings`` or its fields): each sample plays
+            its environment turn by turn (docs/episodes.md); ``None``: one completion per sample.
     """
 
     def __init__(
@@ -108,13 +112,15 @@ class RolloutDataModule(LightningDataModule):
         evaluation: EvalSettings | dict | None = None,
         eval_data: PromptSource | None = None,
         correct_reward: float = 1.0,
+        episodes: EpisodeSettings | dict | None = None,
     ) -> None:
         super().__init__()
         self.sampling = as_settings(SamplingParams, sampling)
+        episode_settings = as_settings(EpisodeSettings, episodes) if episodes is not None else None
         given = isinstance(initial_model, PreTrainedModel)
         config = initial_model.config if given else AutoConfig.from_pretrained(initial_model)
         # limits known now fail now, before any engine starts
-        check_arguments(mode, pool, self.sampling, logprob_tolerance, config, shape)
+        check_arguments(mode, pool, self.sampling, logprob_tolerance, config, shape, episode_settings)
         self.data, self.pool, self.tokenizer, self.shape, self.mode = data, pool, tokenizer, shape, mode
         self.objective = objective
         self.packing = as_settings(Packing, packing)
@@ -122,10 +128,18 @@ class RolloutDataModule(LightningDataModule):
         self.correct_reward = correct_reward
         self.max_sampling_rounds, self.prefetch, self.trainer_threads = max_sampling_rounds, prefetch, trainer_threads
         self.logprob_tolerance = logprob_tolerance
-        token_limit = self.prompt_format.token_limit(context_length(config), self.sampling.max_new_tokens)
+        # the longest completion: one sample's, or an episode's (the model's turns and the environment's tokens)
+        self.completion_limit = (
+            episode_settings.max_episode_tokens if episode_settings else self.sampling.max_new_tokens
+        )
+        token_limit = self.prompt_format.token_limit(context_length(config), self.completion_limit)
         self.schedule = PromptSchedule(data, tokenizer, shape.group_size, seed, self.prompt_format, token_limit)
         self.gate = VersionGate(gate_timeout_s)
-        self.scorer = GroupScorer(rewards, tokenizer, score_workers, as_settings(ScoringPolicy, scoring))
+        policy = as_settings(ScoringPolicy, scoring)
+        self.scorer = GroupScorer(rewards, tokenizer, score_workers, policy)
+        self.episodes = (
+            EpisodeRunner(episode_settings, tokenizer, policy, self.prompt_format) if episode_settings else None
+        )
         self.evaluation = as_settings(EvalSettings, evaluation)
         if eval_data is None and self.evaluation.enabled:
             eval_data = getattr(data, "evaluation", lambda: None)()
@@ -136,6 +150,7 @@ class RolloutDataModule(LightningDataModule):
             self.scorer,
             correct_reward,
             shape.prompts * shape.group_size,
+            self.episodes,
         )
         if self.evaluator is not None:
             self.val_dataloader = self._eval_dataloader  # Lightning runs its validation loop only when this exists

@@ -36,13 +36,14 @@ def context_length(config: PretrainedConfig) -> int | None:
     return getattr(text, "max_position_embeddings", None)
 
 
-def check_context(config: PretrainedConfig, max_new_tokens: int) -> None:
-    """A completion of ``max_new_tokens`` after at least one prompt token must fit the model's context."""
+def check_context(config: PretrainedConfig, max_new_tokens: int, setting: str = "sampling.max_new_tokens") -> None:
+    """A completion of ``max_new_tokens`` (an episode's tokens: ``setting`` names the limit) after at least one
+    prompt token must fit the model's context."""
     limit = context_length(config)
     if limit is not None and max_new_tokens + 1 > limit:
         raise ValueError(
-            f"sampling.max_new_tokens={max_new_tokens} does not fit this model's context of {limit} tokens "
-            f"(max_position_embeddings), which must also hold the prompt: lower sampling.max_new_tokens below {limit}"
+            f"{setting}={max_new_tokens} does not fit this model's context of {limit} tokens "
+            f"(max_position_embeddings), which must also hold the prompt: lower {setting} below {limit}"
         )
 
 

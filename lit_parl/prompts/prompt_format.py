@@ -73,11 +73,18 @@ class PromptFormat:
         """The prompt text the model sees."""
         if not self.uses_chat(row):
             return row.prompt
-        messages = list(row.messages) if row.is_chat else [{"role": "user", "content": row.prompt}]
+        self.check_tokenizer(tokenizer, any_chat=True)
+        return tokenizer.apply_chat_template(
+            self.messages(row), tokenize=False, add_generation_prompt=self.add_generation_prompt
+        )
+
+    def messages(self, row: PromptRow) -> list[dict]:
+        """The chat turns a chat row is rendered from: its messages (a raw prompt as one user turn), the system
+        prompt first when configured."""
+        messages = [dict(m) for m in row.messages] if row.is_chat else [{"role": "user", "content": row.prompt}]
         if self.system_prompt is not None and messages[0]["role"] != "system":
             messages = [{"role": "system", "content": self.system_prompt}, *messages]
-        self.check_tokenizer(tokenizer, any_chat=True)
-        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=self.add_generation_prompt)
+        return messages
 
     def token_limit(self, context: int | None, max_new_tokens: int) -> int | None:
         """The longest prompt in tokens: ``max_prompt_tokens`` and what the context leaves after ``max_new_tokens``."""

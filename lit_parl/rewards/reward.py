@@ -17,6 +17,9 @@ parameter           type            what it holds
 ``answer_ids``      ``list[int]``   the answer, tokenized without special tokens
 ``eos_id``          ``int``         the tokenizer's end token
 ``prompt_id``       ``int``         the prompt's draw index in the run
+``env_reward``      ``float``       a multi-turn episode's environment rewards, summed (0.0 without one)
+``turns``           ``list``        the episode's turns as ``(role, text)`` pairs, the model's role
+                                    ``"assistant"`` (one such turn for a single-turn sample)
 ==================  ==============  ===============================================================
 
 It returns a number (``float``, ``int`` or ``bool``), or a ``dict`` of named numbers: the reward is
@@ -59,6 +62,8 @@ REWARD_FIELDS = (
     "answer_ids",
     "eos_id",
     "prompt_id",
+    "env_reward",
+    "turns",
 )
 TEXT_FIELDS = ("prompt", "completion")  # decoded only when a reward asks for them
 

@@ -109,7 +109,7 @@ _loop: asyncio.AbstractEventLoop | None = None
 _loop_lock = threading.Lock()
 
 
-def _event_loop() -> asyncio.AbstractEventLoop:
+def event_loop() -> asyncio.AbstractEventLoop:
     """The process's one loop for async rewards, running in a daemon thread: clients an async reward keeps
     between calls (an HTTP session) stay on the loop they were made on."""
     global _loop
@@ -123,7 +123,7 @@ def _event_loop() -> asyncio.AbstractEventLoop:
 def _await(coroutine, timeout_s: float | None):
     """Run ``coroutine`` on the rewards' loop; its result, or a ``_Failure``. The deadline is kept by this
     thread, so it holds even when the reward blocks the loop."""
-    future = asyncio.run_coroutine_threadsafe(coroutine, _event_loop())
+    future = asyncio.run_coroutine_threadsafe(coroutine, event_loop())
     try:
         return future.result(timeout_s)
     except TimeoutError:

@@ -76,13 +76,31 @@ class GroupRequest:
 
 
 @dataclass
+class EpisodeTrace:
+    """What a multi-turn episode adds to a sample besides its tokens (``lit_parl.episodes``).
+
+    ``loss_mask[t]`` is 1 where token ``t`` of the completion was sampled by the model, 0 where the
+    environment wrote it (trained with no gradient, outside every normaliser); ``turns`` the episode's
+    text as (role, text) pairs, role ``"assistant"`` or the environment's; ``env_reward`` the sum of the
+    environment's step rewards; ``failed`` why the environment failed (``None``: it did not), under
+    ``ScoringPolicy(on_error="score")``.
+    """
+
+    loss_mask: list[int]
+    turns: list[tuple[str, str]]
+    env_reward: float = 0.0
+    failed: str | None = None
+
+
+@dataclass
 class GroupCompletions:
     """One request's finished samples as a rollout pool returns them: not yet scored.
 
     ``version`` is the policy version the worker held when it sampled (not the one it was asked for);
     ``completions[k]`` are sample ``sample_indices[k]``'s token ids, the end token kept; ``logprobs[k]``
     the sampler's log-prob of each of those tokens; ``finish_reasons[k]`` is ``"stop"`` (end or stop
-    token) or ``"length"`` (cut at ``max_new_tokens``).
+    token) or ``"length"`` (cut at ``max_new_tokens``). A multi-turn episode's completion holds every
+    token after the prompt, the environment's too (their log-probs 0.0), and ``episodes[k]`` says which.
     """
 
     prompt_id: int
@@ -91,6 +109,7 @@ class GroupCompletions:
     completions: list[list[int]]
     logprobs: list[list[float]]
     finish_reasons: list[str]
+    episodes: list[EpisodeTrace] | None = None  # None: single-turn samples, every token the model's
 
     def scored(
         self,
@@ -108,6 +127,7 @@ class GroupCompletions:
             self.finish_reasons,
             dict(components or {}),
             dict(failures or {}),
+            None if self.episodes is None else [e.loss_mask for e in self.episodes],
         )
 
 
@@ -128,3 +148,4 @@ class Group:
     reward_failures: dict[str, list[int]] = field(
         default_factory=dict
     )  # reward -> samples (positions) whose call failed
+    loss_masks: list[list[int]] | None = None  # per sample, 0 on environment tokens (None: all the model's)

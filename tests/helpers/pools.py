@@ -4,12 +4,14 @@ delay, corrupt or hold back what it does (``WrappedPool`` and its subclasses).""
 from __future__ import annotations
 
 import copy
+import functools
+import random
 from collections.abc import Iterator
 
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from lit_parl.rollout import PoolSpec, RolloutPool
+from lit_parl.rollout import HFRolloutPool, PoolSpec, RolloutPool
 from lit_parl.rollout.records import GroupCompletions, GroupRequest, SamplingParams
 
 
@@ -136,3 +138,27 @@ class KeepsFirstWeights(WrappedPool):
         if self.first is None:
             self.first = buckets
         self.inner.sync_weights(self.first, version)
+
+
+class ShufflingPool(WrappedPool):
+    """Hands groups out in a different order than they finished (a pool where some groups are slow)."""
+
+    def __init__(self, inner, seed: int = 0) -> None:
+        super().__init__(inner)
+        self.rng = random.Random(seed)
+
+    def transform(self, groups):
+        groups = list(groups)
+        self.rng.shuffle(groups)
+        yield from groups
+
+
+class EnginePool(HFRolloutPool):
+    """An hf pool whose workers build ``engine(model_dir, eos_id, pad_id, threads)`` instead of ``HFEngine``."""
+
+    def __init__(self, engine, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.engine = engine
+
+    def _engine(self, spec, threads):
+        return functools.partial(self.engine, str(spec.model_dir), spec.eos_id, spec.pad_id, threads)

@@ -21,7 +21,7 @@ import torch
 from lightning.pytorch import Callback
 
 from helpers.components import BatchRecorder, fit, make_components, policy_state, sgd
-from helpers.pools import InProcessPool, WrappedPool
+from helpers.pools import InProcessPool, ShufflingPool, WrappedPool
 from lit_parl import GRPOObjective, OffPolicyError, Packing
 from lit_parl.callbacks import WeightSync
 from lit_parl.rollout import HFRolloutPool, PoolSpec
@@ -42,19 +42,6 @@ def _update_difference(initial: dict, a: dict, b: dict) -> float:
     apart = torch.cat([(a[k] - b[k]).flatten() for k in initial]).double()
     assert moved.norm() > 1e-3, "training did not move the weights: the comparison would prove nothing"
     return float(apart.norm() / moved.norm())
-
-
-class ShufflingPool(WrappedPool):
-    """Hands groups out in a different order than they finished (a pool where some groups are slow)."""
-
-    def __init__(self, inner, seed: int = 0) -> None:
-        super().__init__(inner)
-        self.rng = random.Random(seed)
-
-    def transform(self, groups):
-        groups = list(groups)
-        self.rng.shuffle(groups)
-        yield from groups
 
 
 class ReorderingPool(WrappedPool):

@@ -24,7 +24,7 @@ import torch
 from lightning.pytorch import Callback
 
 from helpers.components import fit, make_components, policy_state
-from helpers.pools import WrappedPool
+from helpers.pools import EnginePool, WrappedPool
 from lit_parl.rollout import HFRolloutPool, PoolSpec
 from lit_parl.rollout.hf_pool import HFEngine
 from lit_parl.rollout.processes import process_table
@@ -150,17 +150,6 @@ class ForeignProtocolEngine(FloodEngine):
 
 
 # -- pools and helpers -------------------------------------------------------------------------------------
-class EnginePool(HFRolloutPool):
-    """An hf pool whose workers build ``engine(model_dir, eos_id, pad_id, threads)`` instead of ``HFEngine``."""
-
-    def __init__(self, engine, **kwargs) -> None:
-        super().__init__(**kwargs)
-        self.engine = engine
-
-    def _engine(self, spec, threads):
-        return functools.partial(self.engine, str(spec.model_dir), spec.eos_id, spec.pad_id, threads)
-
-
 class StandInPool(SpawnedWorkerPool):
     """Workers that build ``engine()`` (a model-free stand-in), one request per piece of work, round-robin."""
 

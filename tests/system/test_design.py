@@ -18,7 +18,9 @@ LAYERS = {
     "lit_parl.prompts": 1,
     "lit_parl.rewards": 1,
     "lit_parl.tasks": 1,
+    "lit_parl.episodes.environment": 1,  # what a task's environment implements: no engine, no data path
     "lit_parl.rollout": 2,
+    "lit_parl.episodes": 3,
     "lit_parl.data": 3,
     "lit_parl.trainer": 4,
     "lit_parl.cli": 5,
