@@ -673,8 +673,9 @@ def test_module_help_from_repo_root():
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-5000:]
     assert "== Configuration groups ==" in run.stdout, run.stdout[-3000:]
     assert (
-        "data: copy, countdown, gsm8k_format, jsonl, reverse" in run.stdout
-        and "reward: countdown, format, gsm8k, math, positional" in run.stdout
+        "data: calculator, copy, countdown, gsm8k_format, guess_number, jsonl, reverse" in run.stdout
+        and "reward: countdown, environment, format, gsm8k, math, positional" in run.stdout
+        and "env: calculator, guess_number, none" in run.stdout
     ), run.stdout[-3000:]
 
 
