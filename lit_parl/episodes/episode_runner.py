@@ -131,7 +131,7 @@ class EpisodeRunner:
             for episode in playing:
                 context, seed = episode.continuation()
                 key = episode.prompt_id * len(groups[episode.prompt_id]) + episode.sample  # unique within a turn
-                requests.append(GroupRequest(key, context, version, (seed,)))
+                requests.append(GroupRequest(key, context, version, (seed,), (episode.prompt_id, episode.sample)))
                 owners[key] = {0: episode}
         if groups:
             raise RuntimeError(f"episodes of prompts {sorted(groups)[:10]} never ended")  # a bug, never a loss

@@ -63,12 +63,18 @@ def sample_seed(base_seed: int, version: int, prompt_id: int, sample_index: int)
 
 @dataclass(frozen=True)
 class GroupRequest:
-    """Generate ``len(seeds)`` completions of one prompt with policy ``version``."""
+    """Generate ``len(seeds)`` completions of one prompt with policy ``version``.
+
+    ``episode``: a multi-turn episode's continuation names its episode, ``(prompt_id, sample)`` of its first
+    turn, so that a pool of several servers sends it where that episode's earlier turns went (their prefix
+    is cached there); ``None``: a first turn, or a single-turn sample (then ``(prompt_id, k)`` is sample k's).
+    """
 
     prompt_id: int  # the prompt's global draw index
     prompt_tokens: tuple[int, ...]
     version: int
     seeds: tuple[int, ...]
+    episode: tuple[int, int] | None = None
 
     @property
     def group_size(self) -> int:

@@ -27,13 +27,18 @@ from urllib.parse import urlsplit
 
 import torch
 
+from helpers.episode_envs import DIGIT_STOPS, TurnTaker
 from lit_parl.callbacks.full_tensors import lora_adapter_config, lora_adapter_tensors
+from lit_parl.data.prompt_schedule import PromptSchedule
+from lit_parl.episodes import EpisodeRunner, EpisodeSettings
 from lit_parl.models import tiny_qwen2
+from lit_parl.models.char_tokenizer import build_char_tokenizer
 from lit_parl.models.lora import LoRASettings, add_lora
 from lit_parl.rollout import PoolSpec
 from lit_parl.rollout.records import GroupRequest, SamplingParams, sample_seed
 from lit_parl.rollout.sglang import SGLangRolloutPool, SyncSettings
 from lit_parl.rollout.sglang.client import HTTPClient
+from lit_parl.tasks import CopyTask
 from sglang_contract.sglang_side import ServerSide, Verdict
 
 STANDIN = [sys.executable, str(Path(__file__).resolve().parents[1] / "helpers" / "sglang_standin.py")]
@@ -81,6 +86,7 @@ class Run:
     adapters: dict[int, tuple[dict, dict[str, torch.Tensor]]] = field(default_factory=dict)  # version -> config, A/B
     sync_methods: dict[int, str] = field(default_factory=dict)  # version -> method
     requests: dict[str, list[GroupRequest]] = field(default_factory=dict)  # generate phase -> its requests
+    episodes: list[tuple[GroupRequest, Any]] = field(default_factory=list)  # (first turn's request, its group)
     eos_id: int = -1
     group_name: str = ""
     model_dir: str = ""
@@ -180,6 +186,16 @@ def run_pools(spec: PoolSpec, server_side: ServerSide) -> Run:
         groups = list(pool.generate(requests, SAMPLINGS[name]))
         assert sorted(g.prompt_id for g in groups) == [r.prompt_id for r in requests]
 
+    def play_episodes(pool: SGLangRolloutPool) -> None:
+        """Multi-turn episodes (the episode tests' environment) over the pool: their continuations are requests."""
+        tokenizer = build_char_tokenizer()
+        drawn = PromptSchedule(CopyTask(seed=0), tokenizer, group_size=GROUP_SIZE).draw(list(range(4)), pool.version)
+        runner = EpisodeRunner(EpisodeSettings(TurnTaker, max_turns=4, max_episode_tokens=40), tokenizer)
+        run.phase = f"episodes:{pool.version}"
+        sampling = SamplingParams(max_new_tokens=6, stop_token_ids=DIGIT_STOPS)
+        for group in runner.generate(pool, [d.request for d in drawn.values()], sampling, drawn):
+            run.episodes.append((drawn[group.prompt_id].request, group))
+
     with recording(run, server_side):
         launched = SGLangRolloutPool(
             servers={"tp_size": TP_SIZE},
@@ -194,6 +210,7 @@ def run_pools(spec: PoolSpec, server_side: ServerSide) -> Run:
                 generate(launched, name)
             sync(launched, 1)
             generate(launched, "sampled")
+            play_episodes(launched)
             url = launched.health().details["urls"][0]
             # attached pools (GET /server_info at start). The distributed one counts one rank per server
             # (tp_size=1): the stand-in joins the group with one rank whatever its --tp-size

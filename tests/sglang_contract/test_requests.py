@@ -273,3 +273,27 @@ def test_adapter_syncs_load_each_versions_adapter_as_sglang_reads_one(run):
         generates = run.where("POST", "/generate", f"generate:sampled:{version}")
         assert generates and all(s.verdict.fields["lora_path"] == name for s in generates)
     assert all(s.verdict.fields["lora_path"] is None for s in run.where("POST", "/generate", "generate:sampled:4"))
+
+
+def test_episode_continuations_are_generate_requests_sglang_reads_as_the_episode_so_far(run):
+    """Multi-turn episodes' later turns: each ``/generate`` body decodes into SGLang's ``GenerateReqInput`` with the
+    episode's tokens as sampled so far (the prompt, the model's turns and the observations) and the turn's seed."""
+    from lit_parl.episodes.episode import turn_seed
+
+    sent = run.where("POST", "/generate", "episodes")
+    assert run.episodes and len(sent) > len(run.episodes) * GROUP_SIZE, "no episode had a second turn"
+    assert all(s.verdict.accepted and s.verdict.request_class == "GenerateReqInput" for s in sent)
+    turns = 0
+    for request, group in run.episodes:
+        for sample, tokens, episode in zip(group.sample_indices, group.completions, group.episodes):
+            whole = [*request.prompt_tokens, *tokens]
+            seeds = [turn_seed(request.seeds[sample], t) for t in range(4)]
+            mine = [s for s in sent if s.verdict.sampling["sampling_seed"] in seeds]
+            model_turns = sum(1 for role, _ in episode.turns if role == "assistant")
+            assert len(mine) == model_turns
+            for s in mine:
+                context = list(s.verdict.fields["input_ids"])
+                assert whole[: len(context)] == context and len(context) >= len(request.prompt_tokens)
+                assert s.verdict.sampling["n"] == 1
+            turns += model_turns
+    assert turns == len(sent)

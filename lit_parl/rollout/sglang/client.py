@@ -116,16 +116,18 @@ async def post_with_retries(
     max_retries: int,
     what: str,
     check: Callable[[Any], str | None] = lambda answer: None,
+    episode: tuple[int, int, int] | None = None,
 ) -> tuple[str, Any]:
     """POST to the least busy live server (through the router, if any); on a retryable failure, again elsewhere.
 
     A server that fails is health-checked and dropped if it is down. ``check(answer)`` names a failure
-    hidden in a successful answer (an aborted sample), which is retried too. Returns ``(url, answer)``;
-    raises after ``max_retries`` retries or when no live server is left.
+    hidden in a successful answer (an aborted sample), which is retried too. An ``episode``'s turn goes to the
+    server of its previous turn while that one is up (without a router: a router picks by its own policy).
+    Returns ``(url, answer)``; raises after ``max_retries`` retries or when no live server is left.
     """
     errors: list[str] = []
     while True:
-        server = fleet.pick()
+        server = fleet.pick(episode)
         if server is None:
             everyone = [s.url for s in fleet.servers]
             raise RuntimeError(f"{what}: no live SGLang server left (all of {everyone} failed); errors: {errors[-3:]}")
@@ -146,4 +148,6 @@ async def post_with_retries(
         finally:
             server.in_flight -= 1
         server.busy_to = time.monotonic()
+        if episode is not None:
+            fleet.episodes[episode] = server.url
         return target.url, answer

@@ -1,7 +1,9 @@
 """One iteration's requests as SGLang ``/generate`` calls, each group handed over as soon as its samples are in.
 
 Every sample is a request of its own (``sglang_router`` accepts only single requests, and a failed sample is
-sent again alone, to another live server: ``client.post_with_retries``); at most
+sent again alone, to another live server: ``client.post_with_retries``); a multi-turn episode's turns go to one
+server while it is up (its prefix cache holds the episode so far; behind a router, the router's own cache-aware
+policy decides); at most
 ``RequestSettings.max_groups_in_flight`` groups generate at once. The requests run on the HTTP client's event loop;
 the trainer's thread takes the finished groups from a queue, and stops waiting with a clear error when the pool
 is closed under it or the loop ends without a word.
@@ -57,6 +59,8 @@ def stream_groups(
 
 async def _generate_all(client, fleet, requests, payload, ends, settings: RequestSettings, finished) -> None:
     limit = asyncio.Semaphore(settings.max_groups_in_flight)
+    versions = {r.version for r in requests}
+    fleet.episodes = {key: url for key, url in fleet.episodes.items() if key[0] in versions}  # older: not cached
 
     async def group(request: GroupRequest) -> None:
         async with limit:
@@ -69,6 +73,7 @@ async def _generate_all(client, fleet, requests, payload, ends, settings: Reques
                     settings.max_retries,
                     f"prompt {request.prompt_id} sample {k}",
                     check=abort_reason,
+                    episode=(request.version, *(request.episode or (request.prompt_id, k))),
                 )
                 for k in range(request.group_size)
             )

@@ -110,6 +110,8 @@ class ServerFleet:
         self.servers: list[Server] = []
         self.router: Server | None = None
         self.launched: list[subprocess.Popen] = []  # what stop_launched stops, the router first
+        # (version, prompt id, sample) of an episode -> the server of its latest turn (its prefix is cached there)
+        self.episodes: dict[tuple[int, int, int], str] = {}
 
     def attach(self, urls: list[str], capacities: list[float] | None = None) -> None:
         capacities = capacities or [1.0] * len(urls)
@@ -183,12 +185,15 @@ class ServerFleet:
     def live(self) -> list[Server]:
         return [s for s in self.servers if s.alive]
 
-    def pick(self) -> Server | None:
-        """The live server with the fewest requests in flight per unit of capacity; ``None`` if none is left (or
-        the router is down)."""
+    def pick(self, episode: tuple[int, int, int] | None = None) -> Server | None:
+        """The live server of ``episode``'s latest turn, else the live server with the fewest requests in flight per
+        unit of capacity; ``None`` if none is left (or the router is down)."""
         if self.router is not None and not self.router.alive:
             return None
         alive = self.live()
+        same = [s for s in alive if s.url == self.episodes.get(episode)] if episode is not None else []
+        if same:
+            return same[0]
         return min(alive, key=lambda s: s.in_flight / s.capacity) if alive else None
 
     async def check_alive(self, client: HTTPClient, server: Server) -> None:
