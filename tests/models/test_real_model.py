@@ -17,7 +17,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from helpers.components import fit, policy_state
+from helpers.components import BatchRecorder, fit, policy_state
 from lit_parl import GRPOModule, GRPOObjective, IterationShape, RolloutDataModule
 from lit_parl.callbacks import HFExport
 from lit_parl.models.local_files import gguf
@@ -226,3 +226,57 @@ def test_lora_on_the_real_model_trains_its_adapters_and_the_pool_follows_the_mer
     assert float(trainer.callback_metrics["mismatch/logprob_abs_diff"]) < 1e-4  # iteration 1: after the adapters moved
     reloaded = AutoModelForCausalLM.from_pretrained(export.saved_to)
     assert not any("lora_" in name for name in reloaded.state_dict())
+
+
+def test_smollm2s_template_renders_a_tool_turn_as_the_appended_delta(smollm2):
+    """SmolLM2's own chat template is append-only, and an episode's tokens (the prompt, the call as sampled up to its
+    stop string, the delta) are exactly the tokens of the rendered conversation."""
+    from lit_parl.episodes import ObservationTokens
+
+    _, tokenizer, _ = smollm2
+    call = '<tool_call>[{"name": "calculator", "arguments": {"expression": "96*7"}}]</tool_call>'
+    messages = [{"role": "user", "content": "96*7="}]
+    prompt = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    turn = tokenizer(call, add_special_tokens=False).input_ids  # ended by the stop string, no end token
+    messages.append({"role": "assistant", "content": call})
+    delta = ObservationTokens(tokenizer, role="tool").delta(messages, turn, "672")
+    assert tokenizer.decode(delta) == "<|im_end|>\n<|im_start|>tool\n672<|im_end|>\n<|im_start|>assistant\n"
+    rendered = tokenizer.apply_chat_template(
+        [*messages, {"role": "tool", "content": "672"}], tokenize=False, add_generation_prompt=True
+    )
+    episode = tokenizer(prompt, add_special_tokens=False).input_ids + turn + delta
+    assert episode == tokenizer(rendered, add_special_tokens=False).input_ids
+
+
+def test_a_tool_using_episode_of_smollm2_through_its_chat_template_trains_on_policy(smollm2):
+    """One iteration of the calculator tool in SmolLM2's tool-call format (two solved examples in the chat): the
+    model calls the tool, reads its answer and answers; its turns' log-probs are θ_k's (the on-policy check)."""
+    from lit_parl.episodes import EpisodeSettings, environment_reward
+    from lit_parl.prompts.prompt_format import PromptFormat
+    from lit_parl.tasks.calculator import CalculatorTask, ToolCallCalculator
+
+    model, tokenizer, _ = smollm2
+    shape = IterationShape(prompts=2, group_size=4, micro_batch_size=8)
+    objective = GRPOObjective()
+    module = GRPOModule(
+        model, objective, shape, tokenizer=tokenizer, optimizer=functools.partial(torch.optim.SGD, lr=1e-3)
+    )
+    data = RolloutDataModule(
+        CalculatorTask(shots=2),
+        [environment_reward],
+        HFRolloutPool(num_workers=1, threads_per_worker=1, prompts_per_request=2, colocated_threads=1),
+        tokenizer,
+        shape,
+        objective,
+        initial_model=model,
+        sampling=SamplingParams(max_new_tokens=40, stop=("</tool_call>",)),
+        prompt_format=PromptFormat(chat=True),
+        episodes=EpisodeSettings(ToolCallCalculator, max_turns=3, max_episode_tokens=120),
+        trainer_threads=1,
+    )
+    recorder = BatchRecorder()
+    trainer = fit(module, data, iterations=1, callbacks=[recorder])
+    episodes = [t for _, batch in recorder.batches for t in batch.trajectories]
+    tool_turns = [tokenizer.decode(t.completion_tokens) for t in episodes if 0 in t.loss_mask]
+    assert tool_turns and all("<|im_start|>tool\n" in text for text in tool_turns), "no episode called the tool"
+    assert float(trainer.callback_metrics["mismatch/logprob_abs_diff"]) < 1e-4
