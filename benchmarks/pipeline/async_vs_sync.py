@@ -66,13 +66,15 @@ WORKLOADS = {
         "shape.micro_batch_size=64",
         "pool.prompts_per_request=8",
     ],
-    # multi-turn episodes of uneven length (docs/episodes.md): the number game with up to 8 guesses, so a game
-    # won at once ends after one turn and a lost one plays all eight (the long tail)
+    # multi-turn episodes of uneven length (docs/episodes.md): the number game with up to 8 guesses, each turn
+    # ended at its first digit, so a game won at once ends after one turn and a lost one plays all eight (the
+    # long tail; the untrained model wins about one turn in ten)
     "episodes": [
         "data=guess_number",
         "env=guess_number",
         "reward=environment",
         "sampling.max_new_tokens=3",
+        "sampling.stop_token_ids=[3,4,5,6,7,8,9,10,11,12]",  # a turn ends at its first digit (a guess)
         "datamodule.episodes.max_turns=8",
         "datamodule.episodes.max_episode_tokens=32",
         "shape.micro_batch_size=64",
