@@ -12,14 +12,13 @@ import pytest
 
 from helpers.components import BatchRecorder, fit, make_components
 from helpers.episode_envs import TurnTaker
-from helpers.pools import EnginePool, WrappedPool
+from helpers.pools import EnginePool, Retokenizing
 from lit_parl import OffPolicyError
 from lit_parl.episodes import EpisodeSettings, environment_reward
-from lit_parl.models.char_tokenizer import build_char_tokenizer
 from lit_parl.rewards import Reward
 from lit_parl.rollout import HFRolloutPool
 from lit_parl.rollout.hf_pool import HFEngine
-from lit_parl.rollout.records import GroupRequest, SamplingParams
+from lit_parl.rollout.records import SamplingParams
 
 # long turns, so that about half of them end with the end token (a random-init model draws it 1 in 53)
 SAMPLING = SamplingParams(max_new_tokens=40)
@@ -43,26 +42,6 @@ def _train(pool, iterations=1, callbacks=()):
         for _, batch in recorder.batches
         for t in batch.trajectories
     }, recorder
-
-
-class Retokenizing(WrappedPool):
-    """A continuation's context decoded to text and encoded again (special tokens dropped on the way): the
-    engine continues another sequence than the one the trainer trains."""
-
-    def _generate(self, requests, sampling):
-        tok = build_char_tokenizer()
-        again = [
-            GroupRequest(
-                r.prompt_id,
-                tuple(tok(tok.decode(r.prompt_tokens, skip_special_tokens=True)).input_ids),
-                r.version,
-                r.seeds,
-            )
-            if r.group_size == 1
-            else r
-            for r in requests
-        ]
-        yield from self.inner._generate(again, sampling)
 
 
 def test_multi_turn_episodes_pass_the_on_policy_check_and_a_retokenized_context_is_caught():

@@ -162,3 +162,25 @@ class EnginePool(HFRolloutPool):
 
     def _engine(self, spec, threads):
         return functools.partial(self.engine, str(spec.model_dir), spec.eos_id, spec.pad_id, threads)
+
+
+class Retokenizing(WrappedPool):
+    """A continuation's context decoded to text and encoded again (special tokens dropped on the way): the
+    engine continues another sequence than the one the trainer trains."""
+
+    def _generate(self, requests, sampling):
+        from lit_parl.models.char_tokenizer import build_char_tokenizer
+
+        tok = build_char_tokenizer()
+        again = [
+            GroupRequest(
+                r.prompt_id,
+                tuple(tok(tok.decode(r.prompt_tokens, skip_special_tokens=True)).input_ids),
+                r.version,
+                r.seeds,
+            )
+            if r.group_size == 1
+            else r
+            for r in requests
+        ]
+        yield from self.inner._generate(again, sampling)

@@ -12,6 +12,8 @@ import pytest
 if importlib.util.find_spec("vllm") is None:
     pytest.skip("vLLM is not installed here; `make test-vllm` runs these tests", allow_module_level=True)
 
+from helpers.pools import Retokenizing  # noqa: E402
+from lit_parl import OffPolicyError  # noqa: E402
 from vllm_backend.test_vllm_backend import logprob_mismatches, vllm_job  # noqa: E402
 
 # the number game's settings, played by the episode tests' environment: 1-3 turns that end on digits
@@ -52,3 +54,16 @@ def test_multi_turn_episodes_through_vllm_are_on_policy_and_replay(tmp_path):
         [(s["prompt_id"], s["sample_index"], s["completion"]) for s in run if s["iteration"] == 0] for run in runs
     ]
     assert first[0] and sorted(first[0]) == sorted(first[1]), "an episode did not replay from its seeds"
+
+
+def test_a_continuation_re_tokenized_from_text_is_caught_by_the_on_policy_check(tmp_path):
+    """Long turns (about half end with the end token, which decoding drops): a pool given the episode so far as
+    text encoded again continues another sequence than the one trained, and the run stops."""
+    long_turns = [*EPISODES[:-3], "sampling.max_new_tokens=40", "datamodule.episodes.max_episode_tokens=120"]
+    module, datamodule, trainer = vllm_job(tmp_path, *long_turns)
+    datamodule.pool = Retokenizing(datamodule.pool)
+    try:
+        with pytest.raises(OffPolicyError, match="differ from θ_k's"):
+            trainer.fit(module, datamodule=datamodule)
+    finally:
+        datamodule.pool.close()
