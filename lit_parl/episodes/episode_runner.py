@@ -110,14 +110,13 @@ class EpisodeRunner:
             playing: list[Episode] = []
             steps: list[tuple[Episode, tuple]] = []
             start = time.monotonic()
-            for completions in pool.generate(requests, turn):
-                c = completions
+            for done in pool.generate(requests, turn):
                 for sample, tokens, logprobs, reason in zip(
-                    c.sample_indices, c.completions, c.logprobs, c.finish_reasons
+                    done.sample_indices, done.completions, done.logprobs, done.finish_reasons
                 ):
-                    episode = owners[completions.prompt_id][sample]
+                    episode = owners[done.prompt_id][sample]
                     text = self.tokenizer.decode(tokens, skip_special_tokens=True)
-                    if episode.model_turn(tokens, logprobs, reason, text, completions.version, self.settings):
+                    if episode.model_turn(tokens, logprobs, reason, text, done.version, self.settings):
                         if episode.failed is not None:  # its reset failed: one turn, no step
                             episode.finish = "stop"
                         else:
