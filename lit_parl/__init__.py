@@ -4,8 +4,13 @@ import os
 
 # Idle OpenMP threads must sleep, not spin: the trainer and the rollout workers are separate processes on
 # the same cores, and a process waiting on the other with spinning threads takes the cores it waits for
-# (measured: sync mode at 14 instead of ~1,000 completions/s). Read when torch loads, so set it before
-# torch is imported; the spawned workers inherit it. An explicit OMP_WAIT_POLICY wins.
+# (measured: sync mode at 14 instead of ~1,000 completions/s). But a thread that sleeps at once between two
+# operations of one step is woken for each next one, and on two threads a decode step then took twice as long
+# as on one: so they spin for about a millisecond first (libgomp's GOMP_SPINCOUNT, which wins over the passive
+# policy; docs/performance.md, "Cores follow the work"). Read when torch loads, so set before torch is
+# imported; the spawned workers inherit both. The user's OMP_WAIT_POLICY or GOMP_SPINCOUNT wins.
+if "OMP_WAIT_POLICY" not in os.environ and "GOMP_SPINCOUNT" not in os.environ:
+    os.environ["GOMP_SPINCOUNT"] = "100000"
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import logging  # noqa: E402

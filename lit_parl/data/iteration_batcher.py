@@ -111,6 +111,7 @@ class IterationBatcher:
                 continue
             drawn = self.schedule.draw(list(slot_of), version)
             requests = {prompt_id: d.request for prompt_id, d in drawn.items()}
+            stats.generation_done = False
             groups = self.scorer.stream(self._generate(list(requests.values()), drawn), drawn)
             if self.materialize:  # the colocated baseline: generate everything, then train
                 groups = iter(list(groups))
@@ -135,6 +136,7 @@ class IterationBatcher:
                             f"the pool returned prompt_id {extra.prompt_id} after the round was complete"
                         )
                     stats.gen_intervals.extend(self._busy_intervals())  # this round's; the pool keeps only the last
+                    stats.generation_done = True
                 if self.dynamic_sampling and trajectories[0].zero_variance:
                     dropped.append((slot, trajectories))
                     stats.dropped_groups += 1

@@ -24,6 +24,8 @@ class IterationStats:
         dropped_groups: zero-variance groups dropped by dynamic sampling.
         gen_intervals: ``(start, end)`` monotonic times the pool was generating, over every round of
             requests (dynamic sampling may need several).
+        generation_done: the pool has returned every group of the round requested last (``CoreShare`` lends
+            the pool's cores to the trainer then).
     """
 
     version: int = -1
@@ -35,6 +37,7 @@ class IterationStats:
     prompts_drawn: int = 0
     dropped_groups: int = 0
     gen_intervals: list[tuple[float, float]] = field(default_factory=list)
+    generation_done: bool = False
 
     @property
     def reward_mean(self) -> float:

@@ -37,6 +37,8 @@ class IterationStream(IterableDataset):
                     data.finish_iteration(started.stats)
                 if count <= skip:
                     continue
+                if data.cores is not None:  # here, on the trainer's thread: threads are set per calling thread
+                    data.cores.follow(started.stats)
                 yield batch
                 if count == total:
                     return

@@ -23,6 +23,7 @@ from torch.utils.data import DataLoader
 from transformers import AutoConfig, PreTrainedModel, PreTrainedTokenizerBase
 
 from lit_parl.data.argument_checks import check_arguments
+from lit_parl.data.core_share import CoreShare, worth_lending
 from lit_parl.data.evaluator import EvalSettings, Evaluator
 from lit_parl.data.group_acceptor import Advantages
 from lit_parl.data.group_scorer import GroupScorer
@@ -71,6 +72,9 @@ class RolloutDataModule(LightningDataModule):
         max_sampling_rounds: dynamic sampling's rounds of refill prompts.
         prefetch: receive and collate micro-batches in a thread; ``None``: on with an accelerator.
         trainer_threads: torch threads of the trainer's process; ``None``: the cores the pool leaves.
+        lend_cores: once the pool has generated an iteration, its workers' cores train the iteration's tail
+            (``CoreShare``; with the prefetch thread unless ``prefetch=False``); ``None``: on where it pays,
+            async on the CPU with a policy of ``LEND_FROM_PARAMETERS`` or more (``worth_lending``).
         score_workers: threads of their own that score groups (for slow rewards, e.g. verifiers); 0 scores
             each group where the batcher runs: in the prefetch thread when it is on, else between steps (the
             first micro-batch's groups in the thread that starts the iteration).
@@ -105,6 +109,7 @@ class RolloutDataModule(LightningDataModule):
         max_sampling_rounds: int = 8,
         prefetch: bool | None = None,
         trainer_threads: int | None = None,
+        lend_cores: bool | None = None,
         score_workers: int = 0,
         logprob_tolerance: float | str | None = "auto",
         prompt_format: PromptFormat | dict | None = None,
@@ -127,6 +132,7 @@ class RolloutDataModule(LightningDataModule):
         self.prompt_format = as_settings(PromptFormat, prompt_format)
         self.correct_reward = correct_reward
         self.max_sampling_rounds, self.prefetch, self.trainer_threads = max_sampling_rounds, prefetch, trainer_threads
+        self.lend_cores, self.cores = lend_cores, None  # the CoreShare is built in setup, once threads are known
         self.logprob_tolerance = logprob_tolerance
         # the longest completion: one sample's, or an episode's (the model's turns and the environment's tokens)
         self.completion_limit = (
@@ -179,6 +185,13 @@ class RolloutDataModule(LightningDataModule):
             torch.set_num_threads(self.trainer_threads)
         elif on_cpu and not colocated:  # the pool's workers run beside the trainer on the same cores
             torch.set_num_threads(max(1, torch.get_num_threads() - self.pool.reserved_cpus(colocated)))
+        lent = 0 if colocated else self.pool.reserved_cpus(colocated)
+        module = getattr(self.trainer, "lightning_module", None)
+        policy = getattr(module, "policy", module)  # the model trained; the module may hold frozen copies too
+        if lent and (worth_lending(policy, on_cpu) if self.lend_cores is None else self.lend_cores):
+            self.cores = CoreShare(torch.get_num_threads(), lent)
+            # the thread receives each group as it arrives, so the pool's last one is seen when it comes
+            self.prefetching = True if self.prefetch is None else self.prefetch
         if self.schedule.dropped_rows and self.trainer is not None:  # counted once: the data is prepared once
             for logger in self.trainer.loggers:
                 logger.log_metrics({"data/dropped_prompts": float(len(self.schedule.dropped_rows))}, step=0)
@@ -258,6 +271,8 @@ class RolloutDataModule(LightningDataModule):
         self.gate.close()
 
     def _release(self) -> None:
+        if self.cores is not None:
+            self.cores.release()
         self.pool.close()  # first: a started iteration's thread waiting on the pool ends with it
         self.start.discard()  # opened at the end of an epoch after which the fit stopped: it never runs
         self.scorer.close()
