@@ -65,9 +65,11 @@ runs 60 steps of a and 10 of b, unless ``--steps`` is given).
   (``use_vllm=False``), fp32. Its ``wall_s`` is ``trainer.train()``: model loading and the trainer's
   construction are outside it.
 
-  OpenMP: both sides' processes get ``OMP_WAIT_POLICY=PASSIVE`` (``--omp-wait-policy``). With the default
-  (spinning) policy, a 2-thread torch process slowed down up to 10x here whenever anything else ran on the
-  2 cores. lit_parl's async processes are single-threaded and barely affected.
+  OpenMP: both sides' processes get ``OMP_WAIT_POLICY=PASSIVE`` (``--omp-wait-policy``) and
+  ``GOMP_SPINCOUNT=100000`` (``--gomp-spincount``), lit_parl's own defaults: an idle thread spins about a
+  millisecond, then sleeps. With the default policy (spinning about 3 ms), a 2-thread torch process slowed
+  down up to 10x here whenever anything else ran on the 2 cores; with a plain passive policy (no spin) a
+  thread is woken for every operation, and 2-thread steps took up to twice as long.
 
 What is matched (``trl_side.py`` comments each setting):
 - the weights at step 0;
@@ -197,6 +199,11 @@ def parse_args(argv=None) -> argparse.Namespace:
         help="OMP_WAIT_POLICY of both sides' processes (inherit: leave the environment's)",
     )
     p.add_argument(
+        "--gomp-spincount",
+        default="100000",
+        help="GOMP_SPINCOUNT of both sides' processes (inherit: leave the environment's)",
+    )
+    p.add_argument(
         "--trl-threads",
         default="2",
         help="torch threads of the TRL process; a comma list (2,1) runs every layout once per value",
@@ -256,22 +263,26 @@ def last_share(values: list[float], share: float = 0.1) -> float:
     return sum(tail) / len(tail)
 
 
-def child_env(omp_wait_policy: str) -> dict:
+def child_env(omp_wait_policy: str, gomp_spincount: str) -> dict:
     env = dict(os.environ)
     if omp_wait_policy != "inherit":
         env["OMP_WAIT_POLICY"] = omp_wait_policy
+    if gomp_spincount != "inherit":
+        env["GOMP_SPINCOUNT"] = gomp_spincount
     # vs_trl_task (workload b) must import in the trainer and in lit_parl's spawned rollout worker
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(BENCH), env.get("PYTHONPATH", "")) if p)
     env.setdefault("TOKENIZERS_PARALLELISM", "false")
     return env
 
 
-def run_logged(cmd: list[str], log: Path, omp_wait_policy: str) -> float:
+def run_logged(cmd: list[str], log: Path, omp_wait_policy: str, gomp_spincount: str) -> float:
     start = time.monotonic()
     with open(log, "w") as f:
         f.write(" ".join(cmd) + "\n\n")
         f.flush()
-        proc = subprocess.run(cmd, cwd=ROOT, env=child_env(omp_wait_policy), stdout=f, stderr=subprocess.STDOUT)
+        proc = subprocess.run(
+            cmd, cwd=ROOT, env=child_env(omp_wait_policy, gomp_spincount), stdout=f, stderr=subprocess.STDOUT
+        )
     elapsed = time.monotonic() - start
     if proc.returncode != 0:
         tail = log.read_text()[-4000:]
@@ -303,7 +314,7 @@ def lit_parl_side(args, workload: str, steps: int, seed: int, mode: str, model_d
     if workload == "b":
         cmd += ["data._target_=vs_trl_task.PreambleCopyTask", f"+data.preamble_chars={args.preamble_chars}"]
     cmd += args.lit_overrides.split()
-    proc_s = run_logged(cmd, run_dir.with_suffix(".log"), args.omp_wait_policy)
+    proc_s = run_logged(cmd, run_dir.with_suffix(".log"), args.omp_wait_policy, args.gomp_spincount)
     summary = json.loads((run_dir / "summary.json").read_text())
     rewards = []
     with open(run_dir / "metrics.csv") as f:
@@ -354,7 +365,7 @@ def trl_side(
         f"--threads={threads}",
         f"--out={out}",
     ]
-    proc_s = run_logged(cmd, out.with_suffix(".log"), args.omp_wait_policy)
+    proc_s = run_logged(cmd, out.with_suffix(".log"), args.omp_wait_policy, args.gomp_spincount)
     result = json.loads(out.read_text())
     result.update(
         proc_s=round(proc_s, 2),
@@ -640,6 +651,7 @@ def main(argv=None) -> dict:
             "lit_overrides": args.lit_overrides,
             "sides": sides,
             "omp_wait_policy": args.omp_wait_policy,
+            "gomp_spincount": args.gomp_spincount,
         },
         "workloads": {w: WORKLOADS[w] for w in args.workloads},
         "results": results,
