@@ -26,6 +26,7 @@ class IterationStats:
             requests (dynamic sampling may need several).
         generation_done: the pool has returned every group of the round requested last (``CoreShare`` lends
             the pool's cores to the trainer then).
+        lent_from: the first micro-batch (0-based) trained with the pool's cores lent; ``None``: none was.
     """
 
     version: int = -1
@@ -38,6 +39,7 @@ class IterationStats:
     dropped_groups: int = 0
     gen_intervals: list[tuple[float, float]] = field(default_factory=list)
     generation_done: bool = False
+    lent_from: int | None = None
 
     @property
     def reward_mean(self) -> float:

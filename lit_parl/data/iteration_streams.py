@@ -38,7 +38,9 @@ class IterationStream(IterableDataset):
                 if count <= skip:
                     continue
                 if data.cores is not None:  # here, on the trainer's thread: threads are set per calling thread
-                    data.cores.follow(started.stats)
+                    lent = data.cores.follow(started.stats) > data.cores.trainer_threads
+                    if lent and started.stats.lent_from is None:
+                        started.stats.lent_from = count - 1
                 yield batch
                 if count == total:
                     return
