@@ -29,7 +29,7 @@ from lit_parl.planner.phase_costs import measure_costs  # noqa: E402
 from lit_parl.planner.pipeline_model import Plan, simulate  # noqa: E402
 
 # the models of benchmarks/vs_trl (h128 is the default job's) and the iterations of each run
-MODELS = {"h128": 40, "h256x4": 25, "h64": 40}
+MODELS = {"h128": 60, "h256x4": 30, "h64": 60}
 # (model, label, overrides, the Plan that describes them)
 VALIDATION = [
     ("h128", "64 prompts", ["shape.prompts=64"], Plan(prompts=64)),
@@ -39,7 +39,8 @@ VALIDATION = [
     ("h128", "2 workers", ["pool.num_workers=2"], Plan(workers=2)),
     ("h256x4", "64 prompts", ["shape.prompts=64"], Plan(prompts=64, lend=True)),
     ("h256x4", "micro-batch 32", ["shape.micro_batch_size=32"], Plan(micro_batch_size=32, lend=True)),
-    ("h256x4", "lending off", ["datamodule.lend_cores=false"], Plan(lend=False)),
+    # the prefetch thread kept on, as lending turned it on in the profile: one change
+    ("h256x4", "lending off", ["datamodule.lend_cores=false", "datamodule.prefetch=true"], Plan(lend=False)),
     ("h256x4", "2 workers", ["pool.num_workers=2"], Plan(workers=2, lend=True)),
     ("h64", "128 prompts", ["shape.prompts=128"], Plan(prompts=128)),
 ]

@@ -30,6 +30,8 @@ Example::
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from lit_parl.data.iteration_stats import IterationStats
@@ -37,6 +39,13 @@ from lit_parl.data.iteration_stats import IterationStats
 # Measured on two cores (benchmarks/RESULTS.md, "Cores follow the work"): lending made the 0.5M-parameter
 # default job 3% slower (its steps are too small for a second thread) and a 4.2M one 17% faster.
 LEND_FROM_PARAMETERS = 2_000_000
+
+
+def cores_to_lend(reserved: int, trainer_threads: int) -> int:
+    """The pool's threads the trainer may take: its reserved ones, but never past the machine's cores. A team of
+    more OpenMP threads than cores waits at every barrier for a thread that is not running (measured: two
+    workers lending both their threads to a one-thread trainer on two cores, 573 ms an iteration against 361)."""
+    return max(0, min(reserved, (os.cpu_count() or 1) - trainer_threads))
 
 
 def worth_lending(policy: torch.nn.Module | None, on_cpu: bool) -> bool:

@@ -23,7 +23,7 @@ from torch.utils.data import DataLoader
 from transformers import AutoConfig, PreTrainedModel, PreTrainedTokenizerBase
 
 from lit_parl.data.argument_checks import check_arguments
-from lit_parl.data.core_share import CoreShare, worth_lending
+from lit_parl.data.core_share import CoreShare, cores_to_lend, worth_lending
 from lit_parl.data.evaluator import EvalSettings, Evaluator
 from lit_parl.data.group_acceptor import Advantages
 from lit_parl.data.group_scorer import GroupScorer
@@ -185,7 +185,7 @@ class RolloutDataModule(LightningDataModule):
             torch.set_num_threads(self.trainer_threads)
         elif on_cpu and not colocated:  # the pool's workers run beside the trainer on the same cores
             torch.set_num_threads(max(1, torch.get_num_threads() - self.pool.reserved_cpus(colocated)))
-        lent = 0 if colocated else self.pool.reserved_cpus(colocated)
+        lent = 0 if colocated else cores_to_lend(self.pool.reserved_cpus(colocated), torch.get_num_threads())
         module = getattr(self.trainer, "lightning_module", None)
         policy = getattr(module, "policy", module)  # the model trained; the module may hold frozen copies too
         if lent and (worth_lending(policy, on_cpu) if self.lend_cores is None else self.lend_cores):

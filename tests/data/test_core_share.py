@@ -6,7 +6,7 @@ import torch
 from lightning.pytorch import Callback
 
 from lit_parl import tiny_qwen2
-from lit_parl.data.core_share import LEND_FROM_PARAMETERS, worth_lending
+from lit_parl.data.core_share import LEND_FROM_PARAMETERS, cores_to_lend, worth_lending
 from lit_parl.rollout import HFRolloutPool
 from tests.helpers.components import BatchRecorder, fit, make_components, policy_state, sgd
 
@@ -83,3 +83,12 @@ def test_lending_is_on_by_default_only_where_it_pays():
     assert worth_lending(large, on_cpu=True)
     assert not worth_lending(large, on_cpu=False)  # on an accelerator the CPU threads do not train
     assert not worth_lending(None, on_cpu=True)
+
+
+def test_the_trainer_never_takes_more_threads_than_the_machine_has_cores(monkeypatch):
+    monkeypatch.setattr("os.cpu_count", lambda: 2)
+    assert cores_to_lend(reserved=1, trainer_threads=1) == 1  # the default split: the pool's one core
+    assert cores_to_lend(reserved=2, trainer_threads=1) == 1  # two workers on two cores: one more, not two
+    assert cores_to_lend(reserved=2, trainer_threads=2) == 0
+    monkeypatch.setattr("os.cpu_count", lambda: 16)
+    assert cores_to_lend(reserved=4, trainer_threads=8) == 4
