@@ -5,7 +5,8 @@ returned the last group of the iteration it idles until the next weight sync, wh
 the iteration's tail to train (every micro-batch after the last group's arrival). ``CoreShare`` raises the
 trainer's intra-op threads to its own plus the pool's for that tail, and lowers them again when the next
 iteration's requests go out. The workers' threads stay as they are: a decode step of the small batches a
-worker generates takes as long on two threads as on one (``docs/performance.md``, "Cores follow the work").
+worker generates gains 1.0x-1.3x from a second thread, and on larger models its samples would then depend on
+when the switch fell (``docs/performance.md``, "Cores follow the work").
 
 The change is applied on the trainer's own thread, before each micro-batch leaves for a step:
 ``torch.set_num_threads`` sets the calling thread's OpenMP team, and the batcher may run in another thread.
@@ -83,6 +84,6 @@ class CoreShare:
         return threads
 
     def release(self) -> None:
-        """Back to the trainer's own threads (the fit ended, or the next iteration's generation starts)."""
+        """Back to the trainer's own threads when the fit ends (within a fit ``follow`` gives them back)."""
         if torch.get_num_threads() != self.trainer_threads:
             torch.set_num_threads(self.trainer_threads)
