@@ -38,7 +38,7 @@ import torch
 from lit_parl.data.iteration_stats import IterationStats
 
 # Measured on two cores (benchmarks/RESULTS.md, "Cores follow the work"): lending made the 0.5M-parameter
-# default job 3% slower (its steps are too small for a second thread) and a 4.2M one 17% faster.
+# default job 3% slower (its steps are too small for a second thread) and a 4.2M one 14% faster.
 LEND_FROM_PARAMETERS = 2_000_000
 
 
