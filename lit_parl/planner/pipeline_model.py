@@ -22,7 +22,6 @@ Example (sync 3 ms, the first chunk at 13 ms, four steps of 20 ms with a 2 ms op
 from __future__ import annotations
 
 import dataclasses
-import math
 
 from lit_parl.planner.phase_costs import PhaseCosts
 
@@ -101,9 +100,10 @@ def simulate(costs: PhaseCosts, plan: Plan, cores: int) -> Prediction:
         busy = len(busy_workers) + trainer_threads
         rate = min(1.0, cores / busy) if busy else 1.0
         # the next event: a chunk ends or the trainer's activity ends
-        horizon = min([workers[w] / rate for w in busy_workers] + ([trainer[1] / rate] if trainer[0] != "wait" else []))
-        if math.isinf(horizon):
-            raise RuntimeError("the schedule stalled: no activity can finish")
+        ends = [workers[w] / rate for w in busy_workers] + ([trainer[1] / rate] if trainer[0] != "wait" else [])
+        if not ends:
+            raise RuntimeError(f"the schedule stalled: step {next_step} waits for samples no worker will generate")
+        horizon = min(ends)
         now += horizon
         gen_busy += horizon if busy_workers else 0.0
         train_busy += horizon if trainer[0] == "step" else 0.0
