@@ -184,10 +184,8 @@ class PipelineTimeline(Callback):
             "train_busy_s": train_busy,
             "wall_s": wall,
             "overlap_efficiency": efficiency,
-            # what the capacity planner (lit_parl.planner) scales the phases by
-            "completions": record.completions,
-            "completion_tokens": record.completion_tokens,
-            "lent_from": getattr(record, "lent_from", None),  # the first step on the pool's cores too
+            # the first step on the pool's cores too (lit_parl.data.core_share): the planner measures those apart
+            "lent_from": getattr(record, "lent_from", None),
         }
         self.iterations.append(entry)
         self.count += 1

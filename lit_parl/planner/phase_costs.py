@@ -17,15 +17,16 @@ Example::
 
     >>> costs = PhaseCosts(chunk_s=0.01, step_s=0.02, lent_step_s=None, last_extra_s=0.002, sync_s=0.003,
     ...     lag_s=0.001, gap_s=0.0005, between_s=0.0004, prompts=32, group_size=8, micro_batch_size=64,
-    ...     prompts_per_request=8, workers=1, trainer_threads=1, completion_tokens=6.0)
-    >>> costs.chunk_samples
-    64
+    ...     prompts_per_request=8, workers=1, trainer_threads=1)
+    >>> costs.step_s / costs.chunk_s  # training is the longer side of this run
+    2.0
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import statistics
 from pathlib import Path
 
@@ -46,7 +47,6 @@ class PhaseCosts:
         gap_s: between two steps, when the second's micro-batch was ready.
         between_s: from the iteration's last step to the next iteration's sync.
         prompts, group_size, micro_batch_size, prompts_per_request, workers, trainer_threads: the profiled shape.
-        completion_tokens: mean tokens per completion in the profile.
     """
 
     chunk_s: float
@@ -63,11 +63,6 @@ class PhaseCosts:
     prompts_per_request: int
     workers: int
     trainer_threads: int
-    completion_tokens: float
-
-    @property
-    def chunk_samples(self) -> int:
-        return self.prompts_per_request * self.group_size
 
 
 def _median(values: list[float], what: str, default: float | None = None) -> float:
@@ -85,8 +80,9 @@ def _config(run_dir: Path) -> dict:
     return yaml.safe_load(path.read_text())
 
 
-def measure_costs(run_dir: str | Path, warmup: int = 5) -> PhaseCosts:
-    """The medians of a run's phases over its iterations after the first ``warmup``.
+def measure_costs(run_dir: str | Path, warmup: int = 5, cores: int | None = None) -> PhaseCosts:
+    """The medians of a run's phases over its iterations after the first ``warmup``, profiled on ``cores``
+    cores (default: this machine's; they give the trainer's threads when the run left them to the default).
 
     Raises:
         FileNotFoundError: the run directory has no ``timeline.jsonl`` or no Hydra config.
@@ -102,11 +98,12 @@ def measure_costs(run_dir: str | Path, warmup: int = 5) -> PhaseCosts:
     if data.get("mode", "async") != "async" or shape.get("mini_batches", 1) != 1 or shape.get("passes", 1) != 1:
         raise ValueError("the planner models async runs with one mini-batch and one pass: profile one of those")
     G, M, p = shape["group_size"], shape["micro_batch_size"], pool.get("prompts_per_request", 8)
+    workers, threads = pool.get("num_workers", 1), pool.get("threads_per_worker", 1)
     lines = [json.loads(line) for line in timeline_path.read_text().splitlines() if line.strip()]
     iterations = [it for it in lines[warmup:] if it["train"] and it["generate"] and it["sync"]]
     if len(iterations) < 3:
         raise ValueError(f"{timeline_path}: {len(iterations)} iterations after the warm-up of {warmup}; need 3 or more")
-    chunks, steps, lent_steps, lasts, lent_lasts, syncs, lags, gaps, betweens, tokens = ([] for _ in range(10))
+    chunks, steps, lent_steps, lasts, lent_lasts, syncs, lags, gaps, betweens = ([] for _ in range(9))
     for index, it in enumerate(iterations):
         generate, train = sorted(it["generate"]), it["train"]
         chunks += [end - start for start, end in generate]
@@ -127,8 +124,6 @@ def measure_costs(run_dir: str | Path, warmup: int = 5) -> PhaseCosts:
                 gaps.append(start - previous_end)
         if index + 1 < len(iterations) and iterations[index + 1]["iteration"] == it["iteration"] + 1:
             betweens.append(iterations[index + 1]["sync"][0][0] - train[-1][1])
-        if it.get("completions"):
-            tokens.append(it["completion_tokens"] / it["completions"])
     step = _median(steps or lent_steps, "training step")  # every step lent (one micro-batch): the lent ones
     lent_step = statistics.median(lent_steps) if lent_steps else None
     last_extra = (
@@ -147,7 +142,7 @@ def measure_costs(run_dir: str | Path, warmup: int = 5) -> PhaseCosts:
         group_size=G,
         micro_batch_size=M,
         prompts_per_request=p,
-        workers=pool.get("num_workers", 1),
-        trainer_threads=data.get("trainer_threads") or 1,
-        completion_tokens=statistics.mean(tokens) if tokens else 0.0,
+        workers=workers,
+        # as the datamodule sets them when unset: the cores the pool's workers leave
+        trainer_threads=data.get("trainer_threads") or max(1, (cores or os.cpu_count() or 1) - workers * threads),
     )

@@ -12,7 +12,7 @@ Example (sync 3 ms, the first chunk at 13 ms, four steps of 20 ms with a 2 ms op
     >>> from lit_parl.planner.phase_costs import PhaseCosts
     >>> costs = PhaseCosts(chunk_s=0.010, step_s=0.020, lent_step_s=None, last_extra_s=0.002, sync_s=0.003,
     ...     lag_s=0.001, gap_s=0.0005, between_s=0.0004, prompts=32, group_size=8, micro_batch_size=64,
-    ...     prompts_per_request=8, workers=1, trainer_threads=1, completion_tokens=6.0)
+    ...     prompts_per_request=8, workers=1, trainer_threads=1)
     >>> round(simulate(costs, Plan(), cores=2).iteration_s * 1e3, 1)
     97.9
     >>> round(simulate(costs, Plan(prompts=64, workers=2), cores=3).iteration_s * 1e3, 1)

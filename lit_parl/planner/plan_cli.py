@@ -78,7 +78,6 @@ def gpu_costs(args: argparse.Namespace, prompts: int, micro_batch: int, inferenc
         prompts_per_request=chunk,
         workers=inference,
         trainer_threads=1,
-        completion_tokens=args.completion_tokens,
     )
 
 
@@ -99,8 +98,8 @@ def rows(args: argparse.Namespace) -> list[tuple[dict, Prediction]]:
                 )
             )
         return found
-    costs = measure_costs(args.run_dir, args.warmup)
     cores = args.cores or os.cpu_count() or 1
+    costs = measure_costs(args.run_dir, args.warmup, cores)
     lends = [False, True] if args.lend else [False]
     for n, m, w, t, lend in itertools.product(
         _ints(args.prompts), _ints(args.micro_batch_sizes), _ints(args.workers), _ints(args.trainer_threads), lends

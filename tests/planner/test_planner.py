@@ -47,8 +47,6 @@ def write_profile(
                 "sync": sync,
                 "generate": generate,
                 "train": train,
-                "completions": 64,
-                "completion_tokens": 384,
                 "lent_from": lent_from,
             }
         )
@@ -67,7 +65,12 @@ def test_costs_are_the_medians_of_each_phase(tmp_path):
     assert costs.gap_s == pytest.approx(0.0005)
     assert costs.between_s == pytest.approx(0.0004)
     assert (costs.prompts, costs.group_size, costs.micro_batch_size, costs.prompts_per_request) == (16, 4, 16, 4)
-    assert costs.completion_tokens == pytest.approx(6.0)
+    assert costs.trainer_threads == 1  # unset: the two cores less the worker's one
+
+
+def test_an_unset_trainer_thread_count_is_the_cores_the_workers_leave(tmp_path):
+    write_profile(tmp_path)
+    assert measure_costs(tmp_path, warmup=2, cores=16).trainer_threads == 15
 
 
 def test_a_wait_for_the_pool_is_not_taken_for_a_gap_between_steps(tmp_path):
@@ -97,19 +100,21 @@ def test_the_profiles_own_shape_plays_back_at_its_own_time(tmp_path):
 
 
 def test_more_threads_than_cores_share_them():
-    """Two workers of one thread beside a trainer of one on two cores: while all three run, each at 2/3."""
-    costs = PhaseCosts(0.010, 0.020, None, 0.0, 0.0, 0.0, 0.0, 0.0, 4, 4, 16, 1, 1, 1, 6.0)
-    # 4 chunks of one prompt on 2 workers: both chunks of the first round at full speed (trainer waiting):
-    # 10 ms; then 2 steps of 16 samples (4 chunks of 4)... the first micro-batch needs 4 chunks = 16 samples
-    alone = simulate(costs, Plan(), cores=2)  # one worker: 4 chunks in 40 ms, then the step: 60 ms
-    assert alone.iteration_s == pytest.approx(0.060)
-    two = simulate(costs, Plan(workers=2), cores=2)  # 2 rounds of 10 ms, then the step alone: 40 ms
-    assert two.iteration_s == pytest.approx(0.040)
-    costs = PhaseCosts(0.010, 0.020, None, 0.0, 0.0, 0.0, 0.0, 0.0, 8, 4, 16, 4, 1, 1, 6.0)
-    # 2 chunks of 4 prompts on 2 workers, 2 steps: both chunks in 10 ms; the steps alone: 50 ms
-    assert simulate(costs, Plan(workers=2), cores=2).iteration_s == pytest.approx(0.050)
-    # one core: both workers at half speed (20 ms), then the steps: 60 ms
-    assert simulate(costs, Plan(workers=2), cores=1).iteration_s == pytest.approx(0.060)
+    """While more threads are busy than there are cores, each runs at cores / busy threads of its speed."""
+
+    def costs(prompts: int, per_chunk: int) -> PhaseCosts:  # chunks of 10 ms, steps of 20 ms, nothing else
+        return PhaseCosts(0.010, 0.020, None, 0.0, 0.0, 0.0, 0.0, 0.0, prompts, 4, 16, per_chunk, 1, 1)
+
+    # 4 chunks of one prompt, one micro-batch of all 16 samples: one worker 40 ms then the step, 60 ms;
+    # two workers on two cores (the trainer waiting) 2 rounds of 10 ms, then the step: 40 ms
+    assert simulate(costs(4, 1), Plan(), cores=2).iteration_s == pytest.approx(0.060)
+    assert simulate(costs(4, 1), Plan(workers=2), cores=2).iteration_s == pytest.approx(0.040)
+    # two workers on one core: each at half speed (20 ms for their chunks of 4 prompts), then two steps: 60 ms
+    assert simulate(costs(8, 4), Plan(workers=2), cores=1).iteration_s == pytest.approx(0.060)
+    # 5 chunks of 4 prompts (a micro-batch each) on two workers and two cores: the first round alone (10 ms);
+    # in the second the trainer's first step runs beside both workers, all three at 2/3 speed, for 15 ms;
+    # then the last chunk beside the step's remaining 10 ms of work (to 35 ms), and 4 more steps: 115 ms
+    assert simulate(costs(20, 4), Plan(workers=2), cores=2).iteration_s == pytest.approx(0.115)
 
 
 def test_lending_shortens_the_tail_only_once_the_pool_is_done(tmp_path):
