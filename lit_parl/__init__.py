@@ -5,8 +5,8 @@ import os
 # Idle OpenMP threads must sleep, not spin: the trainer and the rollout workers are separate processes on
 # the same cores, and a process waiting on the other with spinning threads takes the cores it waits for
 # (measured: sync mode at 14 instead of ~1,000 completions/s). But a thread that sleeps at once between two
-# operations of one step is woken for each next one, and on two threads a decode step then took twice as long
-# as on one: so they spin for about a millisecond first (libgomp's GOMP_SPINCOUNT, which wins over the passive
+# operations of one step is woken for each next one, and on two threads a decode step then took up to 1.7x as
+# long as on one: so they spin for about a millisecond first (libgomp's GOMP_SPINCOUNT, which wins over the passive
 # policy; docs/performance.md, "Cores follow the work"). Read when torch loads, so set before torch is
 # imported; the spawned workers inherit both. The user's OMP_WAIT_POLICY or GOMP_SPINCOUNT wins.
 if "OMP_WAIT_POLICY" not in os.environ and "GOMP_SPINCOUNT" not in os.environ:

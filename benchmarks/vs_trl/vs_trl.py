@@ -195,13 +195,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument(
         "--omp-wait-policy",
         default="PASSIVE",
-        choices=("PASSIVE", "ACTIVE", "inherit"),
-        help="OMP_WAIT_POLICY of both sides' processes (inherit: leave the environment's)",
+        choices=("PASSIVE", "ACTIVE", "inherit", "unset"),
+        help="OMP_WAIT_POLICY of both sides' processes (inherit: leave the environment's; unset: remove it)",
     )
     p.add_argument(
         "--gomp-spincount",
         default="100000",
-        help="GOMP_SPINCOUNT of both sides' processes (inherit: leave the environment's)",
+        help="GOMP_SPINCOUNT of both sides' processes (inherit: leave the environment's; unset: remove it)",
     )
     p.add_argument(
         "--trl-threads",
@@ -265,10 +265,12 @@ def last_share(values: list[float], share: float = 0.1) -> float:
 
 def child_env(omp_wait_policy: str, gomp_spincount: str) -> dict:
     env = dict(os.environ)
-    if omp_wait_policy != "inherit":
-        env["OMP_WAIT_POLICY"] = omp_wait_policy
-    if gomp_spincount != "inherit":
-        env["GOMP_SPINCOUNT"] = gomp_spincount
+    # "unset" leaves OpenMP its own defaults (lit_parl's side then sets its own again when it is imported)
+    for name, value in (("OMP_WAIT_POLICY", omp_wait_policy), ("GOMP_SPINCOUNT", gomp_spincount)):
+        if value == "unset":
+            env.pop(name, None)
+        elif value != "inherit":
+            env[name] = value
     # vs_trl_task (workload b) must import in the trainer and in lit_parl's spawned rollout worker
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(BENCH), env.get("PYTHONPATH", "")) if p)
     env.setdefault("TOKENIZERS_PARALLELISM", "false")

@@ -4,9 +4,9 @@ Periodic asynchrony splits a machine's cores between the pool's workers and the 
 returned the last group of the iteration it idles until the next weight sync, while the trainer still has
 the iteration's tail to train (every micro-batch after the last group's arrival). ``CoreShare`` raises the
 trainer's intra-op threads to its own plus the pool's for that tail, and lowers them again when the next
-iteration's requests go out. The workers' threads stay as they are: a decode step of the small batches a
-worker generates gains 1.0x-1.3x from a second thread, and on larger models its samples would then depend on
-when the switch fell (``docs/performance.md``, "Cores follow the work").
+iteration's requests go out. The workers' threads stay as they are: a chunk's decode gains 1.3x-1.4x from a
+second thread over a fill of about a fifth of the iteration, and on larger models its log-probs would then
+depend on when the switch fell (``docs/performance.md``, "Cores follow the work").
 
 The change is applied on the trainer's own thread, before each micro-batch leaves for a step:
 ``torch.set_num_threads`` sets the calling thread's OpenMP team, and the batcher may run in another thread.
@@ -45,7 +45,7 @@ LEND_FROM_PARAMETERS = 2_000_000
 def cores_to_lend(reserved: int, trainer_threads: int) -> int:
     """The pool's threads the trainer may take: its reserved ones, but never past the machine's cores. A team of
     more OpenMP threads than cores waits at every barrier for a thread that is not running (measured: two
-    workers lending both their threads to a one-thread trainer on two cores, 573 ms an iteration against 361)."""
+    workers lending both their threads to a one-thread trainer on two cores, 432 completions/s against 709)."""
     return max(0, min(reserved, (os.cpu_count() or 1) - trainer_threads))
 
 
