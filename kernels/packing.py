@@ -25,8 +25,10 @@ Example::
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 # (prompt token ids, [completion token ids, ...]) for each group in the micro-batch
@@ -96,32 +98,37 @@ class PackedTokens:
     tokens_computed: int  # non-pad input tokens the model runs over
 
 
-def _expand(lengths: torch.Tensor, total: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _expand(lengths: np.ndarray, total: int) -> tuple[np.ndarray, np.ndarray]:
     """For ``lengths`` ``[S]`` summing to ``total``: (owner ``[total]``, offset ``[total]``), item k being the
     ``offset[k]``-th of ``owner[k]``'s ``lengths[owner[k]]`` items, in order."""
-    owner = torch.repeat_interleave(lengths, output_size=total)
-    offset = torch.arange(total) - (lengths.cumsum(0) - lengths)[owner]
+    owner = np.repeat(np.arange(lengths.shape[0]), lengths)
+    offset = np.arange(total) - (lengths.cumsum() - lengths)[owner]
     return owner, offset
 
 
-def _bucket(q_start: torch.Tensor, q_len: torch.Tensor, p_start: torch.Tensor, p_len: torch.Tensor) -> SegmentBucket:
+def _bucket(q_start: np.ndarray, q_len: np.ndarray, p_start: np.ndarray, p_len: np.ndarray) -> SegmentBucket:
     """Segments whose queries are the flat token indices ``q_start + [0, q_len)`` and whose keys are their
     prompt's ``p_start + [0, p_len)`` followed by the queries (``p_len`` 0: a prompt segment)."""
     k_len = p_len + q_len
     key_offset = k_len - q_len
-    i = torch.arange(int(q_len.max()))[None, :]
-    j = torch.arange(int(k_len.max()))[None, :]
+    i = np.arange(q_len.max())[None, :]
+    j = np.arange(k_len.max())[None, :]
     query_valid = i < q_len[:, None]
     query_index = (q_start[:, None] + i) * query_valid
-    key_index = torch.where(j < p_len[:, None], p_start[:, None] + j, q_start[:, None] + (j - p_len[:, None])) * (
+    key_index = np.where(j < p_len[:, None], p_start[:, None] + j, q_start[:, None] + (j - p_len[:, None])) * (
         j < k_len[:, None]
     )
     # bottom-right causal: query i is the (key_offset + i)-th key (so it never sees past the segment's keys);
     # padded query slots see no key but key 0, so no softmax row is empty
-    last_key = (i + key_offset[:, None]).masked_fill(~query_valid, -1)
+    last_key = np.where(query_valid, i + key_offset[:, None], -1)
     allowed = j[:, None, :] <= last_key[:, :, None]
     allowed[:, :, 0] |= ~query_valid
-    return SegmentBucket(query_index, key_index, allowed[:, None], query_valid, key_offset)
+    return SegmentBucket(
+        _torch(query_index), _torch(key_index), _torch(allowed)[:, None], _torch(query_valid), _torch(key_offset)
+    )
+
+
+_torch = torch.from_numpy  # the arrays become the layout's tensors without a copy
 
 
 def pack(
@@ -134,8 +141,10 @@ def pack(
     completion by completion; the output rows of ``completion_mask`` follow that numbering.
 
     One Python pass over the samples records where each segment starts and where its tokens come from;
-    every tensor is then expanded from that table by a fixed number of torch ops, with no per-token
-    Python work: the token ids cross into torch once, each prompt once."""
+    every tensor is then expanded from that table by a fixed number of array ops, with no per-token
+    Python work: the token ids cross into an array once, each prompt once. The ops are numpy's, turned
+    into tensors at the end without a copy: on micro-batches of a few hundred tokens a torch op's fixed
+    cost is most of its time, and this runs on the trainer's thread between steps."""
     completions = [c for _, cs in groups for c in cs]
     if any(len(c) == 0 for c in completions):
         raise ValueError("every completion needs at least one token")
@@ -168,10 +177,11 @@ def pack(
         rows = [[u] for u in range(len(units))]  # padded layout: one completion per row, always
     length = max(sum(unit_sizes[u] for u in row) for row in rows)
 
-    # token ids cross into torch once: every prompt, then every completion (the label targets)
+    # token ids cross into an array once: every prompt, then every completion (the label targets)
     prompt_tokens = [token for p, _ in groups for token in p]
-    label_targets = torch.tensor([token for c in completions for token in c], dtype=torch.long)
-    source = torch.cat([torch.tensor(prompt_tokens, dtype=torch.long), label_targets])
+    n_labels = sum(sample_len)
+    label_targets = np.fromiter(itertools.chain.from_iterable(completions), dtype=np.int64, count=n_labels)
+    source = np.concatenate([np.array(prompt_tokens, dtype=np.int64), label_targets])
     prompt_source = [0]  # where each group's prompt starts in `source`
     for P in prompt_len:
         prompt_source.append(prompt_source[-1] + P)
@@ -209,67 +219,67 @@ def pack(
                     prompt_keys += P
                     cursor += n
 
-    table = torch.tensor(segments, dtype=torch.long)
-    seg_start, seg_len, seg_position, seg_visible, seg_prompt_start, seg_prompt_len, seg_source = table.unbind(1)
+    table = np.array(segments, dtype=np.int64)
+    seg_start, seg_len, seg_position, seg_visible, seg_prompt_start, seg_prompt_len, seg_source = table.T
     total = sum(unit_sizes)
     owner, offset = _expand(seg_len, total)
     token_index = seg_start[owner] + offset  # flat index of every non-pad token, in segment order
-    input_ids = torch.full((len(rows), length), pad_id, dtype=torch.long)
-    input_ids.view(-1)[token_index] = source[seg_source[owner] + offset]
+    input_ids = np.full((len(rows), length), pad_id, dtype=np.int64)
+    input_ids.reshape(-1)[token_index] = source[seg_source[owner] + offset]
 
-    lengths = torch.tensor(sample_len, dtype=torch.long)
-    sample, t = _expand(lengths, label_targets.shape[0])
-    anchor = torch.tensor(label_anchor, dtype=torch.long)
-    start = torch.tensor(label_start, dtype=torch.long)
+    lengths = np.array(sample_len, dtype=np.int64)
+    sample, t = _expand(lengths, n_labels)
+    anchor = np.array(label_anchor, dtype=np.int64)
+    start = np.array(label_start, dtype=np.int64)
     labels = {
         # label t of a sample is read at the prompt's last position (t = 0), else at its input token t - 1
-        "label_positions": torch.where(t == 0, anchor[sample], start[sample] + t - 1),
-        "label_targets": label_targets,
-        "label_slots": sample * width + t,
-        "completion_mask": torch.arange(width)[None, :] < lengths[:, None],
+        "label_positions": _torch(np.where(t == 0, anchor[sample], start[sample] + t - 1)),
+        "label_targets": _torch(label_targets),
+        "label_slots": _torch(sample * width + t),
+        "completion_mask": _torch(np.arange(width)[None, :] < lengths[:, None]),
         "tokens_computed": total,
     }
     if not shared_prompt:
-        return PackedTokens(input_ids=input_ids, position_ids=None, attention=None, **labels)
+        return PackedTokens(input_ids=_torch(input_ids), position_ids=None, attention=None, **labels)
 
-    position_ids = torch.zeros((len(rows), length), dtype=torch.long)
-    segment_ids = torch.full((len(rows), length), -1, dtype=torch.long)
-    visible_prompt = torch.full((len(rows), length), -1, dtype=torch.long)
-    position_ids.view(-1)[token_index] = seg_position[owner] + offset
-    segment_ids.view(-1)[token_index] = owner
-    visible_prompt.view(-1)[token_index] = seg_visible[owner]
+    position_ids = np.zeros((len(rows), length), dtype=np.int64)
+    segment_ids = np.full((len(rows), length), -1, dtype=np.int64)
+    visible_prompt = np.full((len(rows), length), -1, dtype=np.int64)
+    position_ids.reshape(-1)[token_index] = seg_position[owner] + offset
+    segment_ids.reshape(-1)[token_index] = owner
+    visible_prompt.reshape(-1)[token_index] = seg_visible[owner]
 
     # varlen: segment s's keys are its prompt's tokens (none for a prompt's own segment), then its own
     key_len = seg_prompt_len + seg_len
     key_owner, j = _expand(key_len, total + prompt_keys)
     key_prompt_len = seg_prompt_len[key_owner]
-    key_index = torch.where(
+    key_index = np.where(
         j < key_prompt_len, seg_prompt_start[key_owner] + j, seg_start[key_owner] + (j - key_prompt_len)
     )
-    zero = seg_len.new_zeros(1)
-    cu_q = torch.cat([zero, seg_len]).cumsum(0, dtype=torch.int32)
-    cu_k = torch.cat([zero, key_len]).cumsum(0, dtype=torch.int32)
+    cu_q = np.concatenate([[0], seg_len]).cumsum(dtype=np.int32)
+    cu_k = np.concatenate([[0], key_len]).cumsum(dtype=np.int32)
 
     def bucket(members: list[int]) -> SegmentBucket:
-        index = torch.tensor(members, dtype=torch.long)
+        index = np.array(members, dtype=np.int64)
         return _bucket(seg_start[index], seg_len[index], seg_prompt_start[index], seg_prompt_len[index])
 
     buckets = [bucket(prompt_segments)]
     if completion_segments:
         buckets.append(bucket(completion_segments))
+    positions = _torch(position_ids)
     attention = SharedPromptLayout(
-        segment_ids=segment_ids,
-        positions=position_ids,
-        visible_prompt=visible_prompt,
-        query_index=token_index,
-        key_index=key_index,
-        cu_seqlens_q=cu_q,
-        cu_seqlens_k=cu_k,
+        segment_ids=_torch(segment_ids),
+        positions=positions,
+        visible_prompt=_torch(visible_prompt),
+        query_index=_torch(token_index),
+        key_index=_torch(key_index),
+        cu_seqlens_q=_torch(cu_q),
+        cu_seqlens_k=_torch(cu_k),
         max_seqlen_q=int(seg_len.max()),
         max_seqlen_k=int(key_len.max()),
         buckets=buckets,
     )
-    return PackedTokens(input_ids=input_ids, position_ids=position_ids, attention=attention, **labels)
+    return PackedTokens(input_ids=_torch(input_ids), position_ids=positions, attention=attention, **labels)
 
 
 def dense_allowed(layout: SharedPromptLayout, window: int | None = None) -> torch.Tensor:
