@@ -86,18 +86,16 @@ class GroupAcceptor:
                 )
         rewards = torch.tensor(group.rewards, dtype=torch.float32)
         lengths = torch.tensor([len(c) for c in group.completions])
-        truncated = torch.tensor([reason == "length" for reason in group.finish_reasons])
-        shaped = self.advantages.shape_rewards(rewards, lengths, truncated, self.max_new_tokens)
+        truncated_list = [reason == "length" for reason in group.finish_reasons]
+        shaped = self.advantages.shape_rewards(rewards, lengths, torch.tensor(truncated_list), self.max_new_tokens)
         advantages = self.advantages.advantages(shaped)
-        zero_variance = bool(torch.all(shaped == shaped[0]))
+        # plain Python numbers, converted once per group: on a few samples a torch op's fixed cost (microseconds,
+        # several times that right after a training step) is all of its time, and this runs between steps
+        reward_list, advantage_list = rewards.tolist(), advantages.tolist()
+        shaped_list = reward_list if shaped is rewards else shaped.tolist()
+        zero_variance = all(value == shaped_list[0] for value in shaped_list)  # as torch.all(shaped == shaped[0])
         prompt_tokens = list(request.prompt_tokens)  # from our own schedule, never from the pool
-        # plain Python numbers, converted once per group (element-wise tensor reads cost microseconds each)
-        reward_list, advantage_list, shaped_list, truncated_list = (
-            rewards.tolist(),
-            advantages.tolist(),
-            shaped.tolist(),
-            truncated.tolist(),
-        )
+        components, failures = group.reward_components, group.reward_failures
         return [
             Trajectory(
                 prompt_id=group.prompt_id,
@@ -112,10 +110,10 @@ class GroupAcceptor:
                 shaped_reward=shaped_list[k],
                 correct=bool(self.is_correct(reward_list[k])),
                 zero_variance=zero_variance,
-                reward_components={
-                    name: values[k] for name, values in group.reward_components.items() if values[k] is not None
-                },
-                reward_failures=tuple(name for name, positions in group.reward_failures.items() if k in positions),
+                reward_components={name: values[k] for name, values in components.items() if values[k] is not None},
+                reward_failures=tuple(name for name, positions in failures.items() if k in positions)
+                if failures
+                else (),
                 loss_mask=None if group.loss_masks is None else list(group.loss_masks[k]),
             )
             for k, sample in enumerate(group.sample_indices)

@@ -15,7 +15,7 @@ import torch
 from lit_parl.kernels.packing import PackedTokens, pack
 
 
-@dataclass
+@dataclass(slots=True)  # 8 per group, built between training steps: slots make them cheaper
 class Trajectory:
     prompt_id: int
     sample_index: int
