@@ -11,7 +11,7 @@ from typing import Any
 from lightning.pytorch import Callback, LightningModule, Trainer
 
 from .contracts import IterationHistory, SyncTimes, TrainIntervals, contract_problems, require
-from .fit_end import ends_iteration, new_record
+from .fit_end import EpochEndLogs, ends_iteration, new_record
 
 
 def _union_length(intervals: list[tuple[float, float]]) -> float:
@@ -41,7 +41,8 @@ class PipelineTimeline(Callback):
     are appended to ``timeline.jsonl`` as it ends (one JSON object per line; ``load_timeline`` reads it), and
     only the last ``window`` stay in memory, so a run of any length holds the same. At the end of fit it
     draws those into ``timeline.png``, a Gantt chart. An iteration that a stop (``max_time``) cuts short is
-    left out; one whose epoch end a resume skips is not (``lit_parl.callbacks.fit_end``).
+    left out; one whose epoch end a resume skips is not (``lit_parl.callbacks.fit_end``). Its overlap efficiency
+    is logged at the epoch's end, after ``WeightSync``'s push when listed after it.
 
     It reads the generation side from the last record of ``trainer.datamodule.history``
     (:class:`~lit_parl.callbacks.IterationHistory`: ``requested_at``, ``gen_intervals``), the training side
@@ -102,6 +103,7 @@ class PipelineTimeline(Callback):
         self._last_sync: tuple[float, float] | None = None  # the newest sync interval already drawn
         self._file: Path | None = None
         self._last_record: Any = None
+        self._logs = EpochEndLogs()  # this iteration's value, logged after the push
         self._epoch_start = 0.0
         self._origin = 0.0  # monotonic time that is 0 s in self.iterations: when training started
         self._offset = 0.0  # a resumed run continues after the restored iterations instead of overdrawing them
@@ -192,7 +194,10 @@ class PipelineTimeline(Callback):
         if trainer.is_global_zero:
             with self._file.open("a") as lines:
                 lines.write(json.dumps(entry) + "\n")
-        pl_module.log("overlap_efficiency", efficiency, on_step=False, on_epoch=True, batch_size=1)
+        self._logs.book("overlap_efficiency", efficiency)
+
+    def on_train_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._logs.log(pl_module)  # after WeightSync's push (lit_parl.callbacks.fit_end.EpochEndLogs)
 
     def on_fit_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         if not trainer.is_global_zero or not self.iterations:

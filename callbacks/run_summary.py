@@ -12,7 +12,7 @@ import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
 
 from .contracts import IterationHistory, TrainIntervals, require
-from .fit_end import ends_iteration, new_record
+from .fit_end import EpochEndLogs, ends_iteration, new_record
 
 
 class RunSummary(Callback):
@@ -20,12 +20,12 @@ class RunSummary(Callback):
 
     After each iteration's last batch it reads the iteration's record, the last of ``trainer.datamodule.history``
     (:class:`~lit_parl.callbacks.IterationHistory`: completions, tokens, rewards, generation time), and the
-    module's ``train_intervals`` (:class:`~lit_parl.callbacks.TrainIntervals`), and logs
-    ``completions_per_s`` (on the progress bar), ``tokens_per_s``, ``gen_busy_s``, ``train_busy_s`` and
-    ``dropped_groups``. At the end of fit it writes the totals to ``<dirpath>/summary.json`` and prints
-    ``lit_parl summary: {...}``; ``self.summary`` holds the same dict. Totals survive a checkpoint, also one
-    written after an iteration's last batch, whose epoch end a resume skips; an iteration that a stop
-    (``max_time``) cuts short is left out (``lit_parl.callbacks.fit_end``).
+    module's ``train_intervals`` (:class:`~lit_parl.callbacks.TrainIntervals`), and at the epoch's end (after
+    ``WeightSync``'s push when listed after it) logs ``completions_per_s`` (on the progress bar), ``tokens_per_s``,
+    ``gen_busy_s``, ``train_busy_s`` and ``dropped_groups``. At the end of fit it writes the totals to
+    ``<dirpath>/summary.json`` and prints ``lit_parl summary: {...}``; ``self.summary`` holds the same dict.
+    Totals survive a checkpoint, also one written after an iteration's last batch, whose epoch end a resume
+    skips; an iteration that a stop (``max_time``) cuts short is left out (``lit_parl.callbacks.fit_end``).
 
     Override ``make_summary(trainer)`` to add or change fields.
 
@@ -79,6 +79,7 @@ class RunSummary(Callback):
         self._fit_start: float | None = None
         self._epoch_start = 0.0
         self._last_record: Any = None
+        self._logs = EpochEndLogs()  # this iteration's values, logged after the push
 
     def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         require(
@@ -143,13 +144,14 @@ class RunSummary(Callback):
         self.tokens += int(tokens)
         self.gen_busy_s += gen_busy
         self.train_busy_s += train_busy
-        pl_module.log(
-            "completions_per_s", completions / wall, prog_bar=True, on_step=False, on_epoch=True, batch_size=1
-        )
-        pl_module.log("tokens_per_s", tokens / wall, on_step=False, on_epoch=True, batch_size=1)
-        pl_module.log("gen_busy_s", gen_busy, on_step=False, on_epoch=True, batch_size=1)
-        pl_module.log("train_busy_s", train_busy, on_step=False, on_epoch=True, batch_size=1)
-        pl_module.log("dropped_groups", dropped, on_step=False, on_epoch=True, batch_size=1)
+        self._logs.book("completions_per_s", completions / wall, prog_bar=True)
+        self._logs.book("tokens_per_s", tokens / wall)
+        self._logs.book("gen_busy_s", gen_busy)
+        self._logs.book("train_busy_s", train_busy)
+        self._logs.book("dropped_groups", dropped)
+
+    def on_train_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._logs.log(pl_module)  # after WeightSync's push (lit_parl.callbacks.fit_end.EpochEndLogs)
 
     def make_summary(self, trainer: Trainer) -> dict[str, Any]:
         """The summary of the run so far (what ``summary.json`` holds)."""

@@ -4,18 +4,22 @@ nothing that is trained; where no next epoch follows, or the fit stops after the
 
 from __future__ import annotations
 
+import csv
 import threading
 import time
 
+import lightning
 import pytest
 import torch
 from lightning.pytorch import Callback
+from lightning.pytorch.loggers import CSVLogger
 
 from helpers.components import BatchRecorder, fit, make_components, policy_state, sgd
 from helpers.pools import InProcessPool, WrappedPool
-from lit_parl.callbacks import WeightSync
+from lit_parl.callbacks import PipelineTimeline, RunSummary, WeightSync
 from lit_parl.data.head_start import HeadStart
 from lit_parl.rollout import HFRolloutPool
+from lit_parl.trainer.grpo_module import GRPOModule
 
 SLOW_EPOCH_END_S = 0.3
 
@@ -198,3 +202,37 @@ def test_closing_a_head_start_that_waits_inside_its_generator_leaves_it_to_its_t
     assert started._thread.join(10)
     with pytest.raises(StopIteration):
         next(started)
+
+
+def test_run_summary_and_timeline_log_after_the_next_iterations_push(tmp_path, monkeypatch):
+    """Their logged values (half a millisecond a ``log`` call) come after the push, not between the last step and
+    it; each iteration's still reaches the logger, one value per epoch."""
+    pool = TimedPool(InProcessPool())
+    module, data = make_components(pool=pool, prompts=2, group_size=2, micro_batch_size=2)
+    logged: list[tuple[str, int, float]] = []  # (name, epoch, when)
+    log = GRPOModule.log
+
+    def recording_log(self, name, *args, **kwargs):
+        logged.append((name, self.current_epoch, time.monotonic()))
+        return log(self, name, *args, **kwargs)
+
+    monkeypatch.setattr(GRPOModule, "log", recording_log)
+    trainer = lightning.Trainer(
+        accelerator="cpu",
+        max_epochs=3,
+        callbacks=[WeightSync(), RunSummary(dirpath=str(tmp_path)), PipelineTimeline(dirpath=str(tmp_path))],
+        logger=CSVLogger(tmp_path),
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    trainer.fit(module, datamodule=data)
+    syncs = pool.times("sync_start")
+    for name in ("completions_per_s", "tokens_per_s", "gen_busy_s", "train_busy_s", "dropped_groups"):
+        assert [epoch for n, epoch, _ in logged if n == name] == [0, 1, 2], name
+    for name, epoch, at in logged:
+        if name in ("completions_per_s", "overlap_efficiency") and epoch < 2:
+            assert at > syncs[epoch + 1], (name, epoch)  # after the next iteration's push
+    rows = list(csv.DictReader((tmp_path / "lightning_logs" / "version_0" / "metrics.csv").open()))
+    values = [row["overlap_efficiency"] for row in rows if row.get("overlap_efficiency")]
+    assert len(values) == 3 and all(0.0 <= float(v) <= 1.0 for v in values)
