@@ -29,7 +29,7 @@ import lit_parl.data.iteration_streams as iteration_streams
 import lit_parl.trainer.grpo_module as grpo_module
 import lit_parl.trainer.grpo_objective as grpo_objective
 
-events: list[tuple[str, float, float]] = []  # ("data" | "step", start, end), in the trainer's order
+events: list[tuple[str, float, float]] = []  # ("first data" | "data" | "step", start, end), in order
 spent: collections.Counter = collections.Counter()  # name -> seconds
 calls: collections.Counter = collections.Counter()  # name -> calls
 
@@ -51,13 +51,15 @@ def instrument() -> None:
 
     def timed_iter(self):
         batches = stream_iter(self)
+        first = True  # the iteration's first micro-batch: its wait for the fill is no gap between steps
         while True:
             start = time.monotonic()
             try:
                 batch = next(batches)
             except StopIteration:
                 return
-            events.append(("data", start, time.monotonic()))
+            events.append(("first data" if first else "data", start, time.monotonic()))
+            first = False
             yield batch
 
     iteration_streams.IterationStream.__iter__ = timed_iter
