@@ -98,6 +98,9 @@ class PackedTokens:
     tokens_computed: int  # non-pad input tokens the model runs over
 
 
+_torch = torch.from_numpy  # the arrays become the layout's tensors without a copy
+
+
 def _expand(lengths: np.ndarray, total: int) -> tuple[np.ndarray, np.ndarray]:
     """For ``lengths`` ``[S]`` summing to ``total``: (owner ``[total]``, offset ``[total]``), item k being the
     ``offset[k]``-th of ``owner[k]``'s ``lengths[owner[k]]`` items, in order."""
@@ -126,9 +129,6 @@ def _bucket(q_start: np.ndarray, q_len: np.ndarray, p_start: np.ndarray, p_len: 
     return SegmentBucket(
         _torch(query_index), _torch(key_index), _torch(allowed)[:, None], _torch(query_valid), _torch(key_offset)
     )
-
-
-_torch = torch.from_numpy  # the arrays become the layout's tensors without a copy
 
 
 def pack(

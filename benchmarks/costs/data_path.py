@@ -5,7 +5,8 @@ next micro-batch: 8 groups of 8 completions (``CopyTask`` prompts through the ch
 completions of 1-6 tokens, the positional reward, GRPO's advantages, shared-prompt packing). This times
 each part with the code of a baseline commit (``--baseline``, loaded from ``git show``) and with the
 working tree's, interleaved, and checks first that both give the same micro-batches bit for bit (every
-tensor's dtype, shape, strides and values; every trajectory field).
+tensor's dtype, shape, strides and values; every trajectory field). Scoring did not change: its row, the
+same code on both sides, shows the timing's noise floor.
 
 Two conditions, since a torch op's fixed cost grows after a training step has run through the caches:
 ``warm`` (the parts back to back) and ``after a step`` (a forward and backward of the default model,
@@ -134,7 +135,7 @@ def main() -> None:
         model(step_input).logits.float().logsumexp(-1).mean().backward()
 
     parts = {
-        "score (8 groups)": lambda side, b: [scorer.score(batches[b][0][g.prompt_id], g) for g in batches[b][1]],
+        "score (unchanged)": lambda side, b: [scorer.score(batches[b][0][g.prompt_id], g) for g in batches[b][1]],
         "accept (8 groups)": accept,
         "collate": collated,
     }
