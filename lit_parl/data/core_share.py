@@ -4,9 +4,10 @@ Periodic asynchrony splits a machine's cores between the pool's workers and the 
 returned the last group of the iteration it idles until the next weight sync, while the trainer still has
 the iteration's tail to train (every micro-batch after the last group's arrival). ``CoreShare`` raises the
 trainer's intra-op threads to its own plus the pool's for that tail, and lowers them again when the next
-iteration's requests go out. The workers' threads stay as they are: a chunk's decode gains 1.3x-1.4x from a
-second thread over a fill of about a fifth of the iteration, and on larger models its log-probs would then
-depend on when the switch fell (``docs/performance.md``, "Cores follow the work").
+iteration's requests go out. The workers' threads stay as they are: while the pool generates the first
+chunk the trainer is not idle (Lightning's epoch end and start run then), and a worker that decoded it on
+the trainer's core too took 1.4x longer (``benchmarks/pipeline/fill_threads.py``; ``docs/performance.md``,
+"Cores follow the work").
 
 The change is applied on the trainer's own thread, before each micro-batch leaves for a step:
 ``torch.set_num_threads`` sets the calling thread's OpenMP team, and the batcher may run in another thread.
