@@ -133,10 +133,11 @@ def test_the_resumed_iteration_generates_from_its_starting_weights(tmp_path):
 
 def cli_callbacks(run_dir) -> list:
     """The callbacks ``lit-parl`` installs by default (``conf/callbacks/default.yaml``), writing into ``run_dir``;
-    its ModelCheckpoint left out (these tests write their own)."""
+    its ModelCheckpoint left out (these tests write their own), and Lightning's progress bar (they run without one)."""
     with initialize_config_module(config_module="lit_parl.conf", version_base="1.3"):
         cfg = compose(config_name="config", overrides=[f"run_dir={run_dir}", "checkpoint_every=0"])
-    return [instantiate(node) for name, node in cfg.callbacks.items() if node is not None and name != "checkpoint"]
+    left_out = ("checkpoint", "progress")
+    return [instantiate(node) for name, node in cfg.callbacks.items() if node is not None and name not in left_out]
 
 
 @pytest.mark.parametrize(
