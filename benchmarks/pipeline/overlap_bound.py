@@ -13,7 +13,10 @@ iteration's wall, where they overlap its fill. Where the trainer's side of the w
 ``lag``, from the first chunk's end to the first step's start (the epoch end and start, the first
 micro-batch's receive, scoring and collation), and ``gaps``, the time between the iteration's steps (the
 next micro-batch's receive, scoring and collation on the trainer's thread, or waiting for the pool, and
-Lightning's per-step work). All come from the run's ``timeline.jsonl`` (``PipelineTimeline``).
+Lightning's per-step work). The fill is the request's dispatch and the first chunk's decode: the first chunk
+is printed beside the median of the iteration's other chunks (the worker decodes it after a pause, and a
+pause slows the next decode: ``benchmarks/costs/cold_chunk.py``). All come from the run's ``timeline.jsonl``
+(``PipelineTimeline``).
 
 It runs the default job (``lit-parl``, 32 prompts x 8) and the same with 128 prompts, one process each,
 and prints, per run, the medians over the iterations after ``--warmup``: wall, bound, wall / bound,
@@ -51,6 +54,8 @@ def per_iteration(timeline: list[dict]) -> list[dict]:
         last_train_end = it["train"][-1][1]
         generate = sorted(it["generate"])
         fill = generate[0][1] - begin - _length(it["sync"])  # from the request (after the sync) to the first chunk
+        first_chunk = generate[0][1] - generate[0][0]  # the fill is the request's dispatch and this chunk's decode
+        others = [end - start for start, end in generate[1:]]
         sync, train_busy, gen_busy = _length(it["sync"]), _length(it["train"]), it["gen_busy_s"]
         last_step = it["train"][-1][1] - it["train"][-1][0]
         lag = it["train"][0][0] - generate[0][1]
@@ -71,6 +76,8 @@ def per_iteration(timeline: list[dict]) -> list[dict]:
                 "bound_ms": 1e3 * bound,
                 "sync_ms": 1e3 * sync,
                 "fill_ms": 1e3 * fill,
+                "first_chunk_ms": 1e3 * first_chunk,
+                "other_chunks_ms": 1e3 * statistics.median(others) if others else None,
                 "train_busy_ms": 1e3 * train_busy,
                 "gen_busy_ms": 1e3 * gen_busy,
                 "last_step_ms": 1e3 * last_step,
@@ -84,7 +91,11 @@ def per_iteration(timeline: list[dict]) -> list[dict]:
 
 def summary(rows: list[dict], warmup: int) -> dict:
     kept = [r for r in rows if r["iteration"] >= warmup] or rows
-    median = lambda key: statistics.median(r[key] for r in kept if r[key] is not None)  # noqa: E731
+
+    def median(key: str) -> float | None:  # None: no iteration has the value (one chunk: no other chunk)
+        values = [r[key] for r in kept if r[key] is not None]
+        return statistics.median(values) if values else None
+
     out = {
         key: median(key)
         for key in (
@@ -93,6 +104,8 @@ def summary(rows: list[dict], warmup: int) -> dict:
             "between_ms",
             "sync_ms",
             "fill_ms",
+            "first_chunk_ms",
+            "other_chunks_ms",
             "train_busy_ms",
             "gen_busy_ms",
             "last_step_ms",
@@ -123,11 +136,13 @@ def run(prompts: int, iterations: int, seed: int, extra: list[str]) -> list[dict
 
 
 def show(label: str, s: dict) -> None:
+    others = "-" if s["other_chunks_ms"] is None else f"{s['other_chunks_ms']:.1f}"  # "-": one chunk an iteration
     print(
         f"{label}: wall {s['wall_ms']:.1f} ms, bound {s['bound_ms']:.1f} ms, wall/bound {s['wall_over_bound']:.3f}, "
         f"between {s['between_ms']:.1f} ms | sync {s['sync_ms']:.1f}, fill {s['fill_ms']:.1f}, "
         f"train {s['train_busy_ms']:.1f}, generate {s['gen_busy_ms']:.1f}, last step {s['last_step_ms']:.1f} | "
-        f"trainer lag {s['lag_ms']:.1f}, gaps {s['gaps_ms']:.1f} "
+        f"trainer lag {s['lag_ms']:.1f}, gaps {s['gaps_ms']:.1f} | first chunk {s['first_chunk_ms']:.1f}, "
+        f"each other chunk {others} "
         f"(medians of {s['iterations']} iterations)",
         flush=True,
     )
