@@ -105,7 +105,7 @@ def test_cli_run_summary_metrics_and_hf_export(tmp_path, monkeypatch, capsys):
     assert loaded.config.vocab_size == len(loaded_tok)
 
 
-def test_the_default_progress_bar_is_redrawn_a_few_times_a_second():
+def test_the_default_progress_bar_is_redrawn_a_few_times_a_second(tmp_path):
     """Lightning's own default redraws the bar after every step (100 a second), in a thread that takes the
     trainer's core between steps; the default job's steps are tens of milliseconds apart."""
     from hydra import compose, initialize_config_module
@@ -114,7 +114,7 @@ def test_the_default_progress_bar_is_redrawn_a_few_times_a_second():
     import lit_parl.cli as cli
 
     with initialize_config_module(config_module="lit_parl.conf", version_base="1.3"):
-        cfg = compose(config_name="config", overrides=["iterations=1", "checkpoint_every=0"])
+        cfg = compose(config_name="config", overrides=["iterations=1", "checkpoint_every=0", f"run_dir={tmp_path}"])
     _, _, trainer = cli.build(cfg)
     bars = [c for c in trainer.callbacks if isinstance(c, RichProgressBar)]
     assert len(bars) == 1 and trainer.progress_bar_callback is bars[0]
