@@ -9,6 +9,13 @@ iteration time is the median, over its iterations after ``--warmup``, of the tim
 to the next one's; the planner predicts the same span (``lit_parl.planner.pipeline_model.simulate``).
 
     .venv/bin/python benchmarks/pipeline/planner_validation.py --json benchmarks/logs/planner_validation.json
+
+``--modes`` validates the choice of mode and chunking instead: four profiles of the default model (async and
+sync, each at chunks of 8 prompts with micro-batches of 64 and at chunks of 16 with micro-batches of 128),
+from which the planner fits each mode's fixed costs per call (``fit_fixed_costs``); then configurations of
+both modes at chunkings it did not see, and whether the fastest it predicts is the fastest measured.
+
+    .venv/bin/python benchmarks/pipeline/planner_validation.py --modes --json benchmarks/logs/planner_modes.json
 """
 
 from __future__ import annotations
@@ -27,6 +34,7 @@ sys.path.insert(0, str(ROOT / "benchmarks" / "vs_trl"))
 
 from lit_parl.planner.phase_costs import measure_costs  # noqa: E402
 from lit_parl.planner.pipeline_model import Plan, simulate  # noqa: E402
+from lit_parl.planner.plan_cli import profiled_modes  # noqa: E402
 
 # the models of benchmarks/vs_trl (h128 is the default job's) and the iterations of each run
 MODELS = {"h128": 60, "h256x4": 30, "h64": 60}
@@ -44,6 +52,24 @@ VALIDATION = [
     ("h256x4", "2 workers", ["pool.num_workers=2"], Plan(workers=2, lend=True)),
     ("h64", "128 prompts", ["shape.prompts=128"], Plan(prompts=128)),
 ]
+
+# --modes: the default model's profiles and the configurations predicted from them, as (mode, prompts per
+# chunk, micro-batch size)
+MODE_PROFILES = [("async", 8, 64), ("async", 16, 128), ("sync", 8, 64), ("sync", 16, 128)]
+MODE_VALIDATION = [
+    ("async", 4, 32),
+    ("async", 32, 128),
+    ("async", 32, 256),
+    ("sync", 4, 32),
+    ("sync", 32, 128),
+    ("sync", 32, 256),
+]
+
+
+def chunking(mode: str, chunk: int, micro: int) -> tuple[str, list[str]]:
+    """A configuration's label and overrides."""
+    overrides = [f"datamodule.mode={mode}", f"pool.prompts_per_request={chunk}", f"shape.micro_batch_size={micro}"]
+    return f"{mode} c{chunk} m{micro}", overrides
 
 
 def iteration_times(run_dir: Path, warmup: int) -> list[float]:
@@ -63,52 +89,84 @@ def main(argv=None) -> list[dict]:
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--json", default=None)
     p.add_argument("--plot", default=str(ROOT / "docs" / "planner_validation.png"))
+    p.add_argument("--modes", action="store_true", help="validate the mode and chunking (no plot)")
     args = p.parse_args(argv)
     import vs_trl
 
-    rows = []
     with tempfile.TemporaryDirectory(prefix="lit_parl_planner_") as work:
         work = Path(work)
-        costs = {}
-        for name, iterations in MODELS.items():
-            vs_trl.save_model(work / name, name, seed=0)
-            run(work / name, work / f"{name}_profile", iterations, [])
-            costs[name] = measure_costs(work / f"{name}_profile", args.warmup)
-            print(f"{name} profile: {costs[name]}", flush=True)
-        for name, label, overrides, plan in VALIDATION:
-            run_dir = work / f"{name}_{label.replace(' ', '_')}"
-            run(work / name, run_dir, MODELS[name], overrides)
-            measured = statistics.median(iteration_times(run_dir, args.warmup))
-            predicted = simulate(costs[name], plan, os.cpu_count() or 1).iteration_s
-            row = {
-                "model": name,
-                "configuration": label,
-                "overrides": overrides,
-                "predicted_ms": round(predicted * 1e3, 2),
-                "measured_ms": round(measured * 1e3, 2),
-                "error": round(predicted / measured - 1, 4),
-            }
-            rows.append(row)
-            print(json.dumps(row), flush=True)
-    errors = [abs(r["error"]) for r in rows]
-    print("\n| model | configuration (one change from the profile) | predicted ms | measured ms | error |")
+        rows, profiles = (mode_rows if args.modes else split_rows)(work, args.warmup, vs_trl)
+    errors = [abs(r["error"]) for r in rows if not r.get("profiled")]
+    print("\n| model | configuration | predicted ms | measured ms | error |")
     print("|---|---|---|---|---|")
     for r in rows:
-        cells = [
-            r["model"],
-            r["configuration"],
-            f"{r['predicted_ms']:.1f}",
-            f"{r['measured_ms']:.1f}",
-            f"{r['error']:+.1%}",
-        ]
+        label = r["configuration"] + (" (profiled)" if r.get("profiled") else "")
+        cells = [r["model"], label, f"{r['predicted_ms']:.1f}", f"{r['measured_ms']:.1f}", f"{r['error']:+.1%}"]
         print("| " + " | ".join(cells) + " |")
-    print(f"\nmedian |error| {statistics.median(errors):.1%}, worst {max(errors):.1%} over {len(rows)} configurations")
+    unseen = len(errors)
+    print(f"\nmedian |error| {statistics.median(errors):.1%}, worst {max(errors):.1%} over {unseen} configurations")
+    if args.modes:
+        fastest = {k: min(rows, key=lambda r: r[k])["configuration"] for k in ("predicted_ms", "measured_ms")}
+        print(f"fastest predicted: {fastest['predicted_ms']}; fastest measured: {fastest['measured_ms']}")
     if args.json:
-        Path(args.json).write_text(
-            json.dumps({"rows": rows, "profiles": {k: vars(v) for k, v in costs.items()}}, indent=1)
-        )
-    plot(rows, Path(args.plot))
+        Path(args.json).write_text(json.dumps({"rows": rows, "profiles": profiles}, indent=1))
+    if not args.modes:
+        plot(rows, Path(args.plot))
     return rows
+
+
+def row(model: str, label: str, overrides: list[str], predicted: float, run_dir: Path, warmup: int) -> dict:
+    measured = statistics.median(iteration_times(run_dir, warmup))
+    found = {
+        "model": model,
+        "configuration": label,
+        "overrides": overrides,
+        "predicted_ms": round(predicted * 1e3, 2),
+        "measured_ms": round(measured * 1e3, 2),
+        "error": round(predicted / measured - 1, 4),
+    }
+    print(json.dumps(found), flush=True)
+    return found
+
+
+def split_rows(work: Path, warmup: int, vs_trl) -> tuple[list[dict], dict]:
+    """One profile per model; each validation run changes one thing from it."""
+    costs, rows = {}, []
+    for name, iterations in MODELS.items():
+        vs_trl.save_model(work / name, name, seed=0)
+        run(work / name, work / f"{name}_profile", iterations, [])
+        costs[name] = measure_costs(work / f"{name}_profile", warmup)
+        print(f"{name} profile: {costs[name]}", flush=True)
+    for name, label, overrides, plan in VALIDATION:
+        run_dir = work / f"{name}_{label.replace(' ', '_')}"
+        run(work / name, run_dir, MODELS[name], overrides)
+        predicted = simulate(costs[name], plan, os.cpu_count() or 1).iteration_s
+        rows.append(row(name, label, overrides, predicted, run_dir, warmup))
+    return rows, {k: vars(v) for k, v in costs.items()}
+
+
+def mode_rows(work: Path, warmup: int, vs_trl) -> tuple[list[dict], dict]:
+    """The default model's four profiles, each mode's fixed costs fitted from two; then chunkings unseen."""
+    name, cores = "h128", os.cpu_count() or 1
+    vs_trl.save_model(work / name, name, seed=0)
+    runs = {}
+    for configuration in MODE_PROFILES + MODE_VALIDATION:
+        label, overrides = chunking(*configuration)
+        runs[configuration] = work / label.replace(" ", "_")
+        run(work / name, runs[configuration], MODELS[name], overrides)
+    profiles = [str(runs[configuration]) for configuration in MODE_PROFILES]
+    fitted = {costs.mode: costs for costs in profiled_modes(profiles, warmup, cores)}
+    print(f"fitted: {fitted}", flush=True)
+    rows = []
+    for configuration, run_dir in runs.items():  # the profiles too: how the fitted costs play their shapes back
+        mode, chunk, micro = configuration
+        plan = Plan(prompts_per_request=chunk, micro_batch_size=micro)
+        predicted = simulate(fitted[mode], plan, cores).iteration_s
+        label, overrides = chunking(*configuration)
+        rows.append(
+            {**row(name, label, overrides, predicted, run_dir, warmup), "profiled": configuration in MODE_PROFILES}
+        )
+    return rows, {k: vars(v) for k, v in fitted.items()}
 
 
 def plot(rows: list[dict], path: Path) -> None:

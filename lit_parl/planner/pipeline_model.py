@@ -5,7 +5,8 @@ workers (as ``HFRolloutPool`` assigns them); each micro-batch's step once the ch
 the ``lag`` of receiving it when the trainer waited, or the ``gap`` between steps when it did not); the optimizer
 step at the end; then Lightning's epoch end. Cores are shared: while more threads are busy than the machine
 has cores, each runs at cores / busy threads of its speed (the profile measured every phase with its cores to
-itself). Once the pool is done, a step on lent cores (``CoreShare``) takes ``lent_step_s``.
+itself); each worker's first chunk adds ``fill_extra_s``. Once the pool is done, a step on lent cores
+(``CoreShare``) takes ``lent_step_s``.
 
 Example (sync 3 ms, the first chunk at 13 ms, four steps of 20 ms with a 2 ms optimizer step, the epoch end)::
 
@@ -32,6 +33,7 @@ class Plan:
 
     Args:
         prompts: prompts per iteration.
+        prompts_per_request: prompts per chunk (``pool.prompts_per_request``).
         micro_batch_size: completions per training step.
         workers: the pool's worker processes (one thread each, as profiled).
         trainer_threads: the trainer's threads beside the pool.
@@ -40,6 +42,7 @@ class Plan:
     """
 
     prompts: int | None = None
+    prompts_per_request: int | None = None
     micro_batch_size: int | None = None
     workers: int | None = None
     trainer_threads: int | None = None
@@ -62,14 +65,19 @@ def simulate(costs: PhaseCosts, plan: Plan, cores: int) -> Prediction:
     M = plan.micro_batch_size or costs.micro_batch_size
     W = plan.workers or costs.workers
     T = plan.trainer_threads or costs.trainer_threads
-    G, p = costs.group_size, costs.prompts_per_request
+    G, p = costs.group_size, plan.prompts_per_request or costs.prompts_per_request
+    turns = costs.mode == "sync"  # generation, then training, each on every core
     if (N * G) % M:
         raise ValueError(f"micro_batch_size={M} must divide prompts x group_size = {N * G}")
     if plan.lend and costs.lent_step_s is None:
         raise ValueError("lend=True needs a profile that lent the pool's cores (datamodule.lend_cores=true)")
+    if turns and (W != costs.workers or T != costs.trainer_threads or plan.lend):
+        raise ValueError("a sync profile predicts its own split: vary prompts, chunks and micro-batches only")
     chunk_sizes = [min(p, N - start) * G for start in range(0, N, p)]
     queues = [[c for c in range(len(chunk_sizes)) if c % W == w] for w in range(W)]
-    step_scale = M / costs.micro_batch_size  # a step's work grows with its completions
+    per_sample = (costs.chunk_s - costs.chunk_fixed_s) / (costs.prompts_per_request * G)
+    # a step's work: its fixed part, and the rest grows with its completions (lent steps in proportion)
+    step_scale = (costs.step_fixed_s + (costs.step_s - costs.step_fixed_s) * M / costs.micro_batch_size) / costs.step_s
     if T == costs.trainer_threads:
         beside = costs.step_s
     elif costs.lent_step_s is not None and T == costs.trainer_threads + costs.workers:
@@ -91,8 +99,10 @@ def simulate(costs: PhaseCosts, plan: Plan, cores: int) -> Prediction:
         if generating:
             for w in range(W):
                 if workers[w] is None and queues[w]:
-                    workers[w] = chunk_sizes[queues[w][0]] / (p * G) * costs.chunk_s
-        if trainer[0] == "wait" and arrived >= (next_step + 1) * M:
+                    first = queues[w][0] < W  # a worker's first chunk of the iteration: after the dispatch, cold
+                    workers[w] = costs.chunk_fixed_s + per_sample * chunk_sizes[queues[w][0]]
+                    workers[w] += costs.fill_extra_s if first else 0.0
+        if trainer[0] == "wait" and arrived >= (N * G if turns else (next_step + 1) * M):
             trainer = ["lag", costs.lag_s]
         busy_workers = [w for w in range(W) if workers[w] is not None]
         # a lent step runs alone, on every core (more threads than cores are no faster than that)

@@ -5,7 +5,13 @@ From a profiling run (any ``lit-parl`` run directory: its ``timeline.jsonl`` and
     lit-parl-plan runs/profile --prompts 32,64,128 --workers 1,2 --lend
 
 prints, for every combination, the predicted iteration time, completions per second and each side's busy
-time, and names the fastest. For GPUs, from stated throughputs instead of a profile (docs/planner.md)::
+time, and names the fastest. Profiles of one mode at two or more chunk and micro-batch sizes separate a call's
+fixed costs from its samples' (``fit_fixed_costs``), and profiles of both modes are compared::
+
+    lit-parl-plan runs/async_c8 runs/async_c16 runs/sync_c8 runs/sync_c16 --prompts-per-request 8,16,32 \
+        --micro-batch-sizes 64,128,256
+
+For GPUs, from stated throughputs instead of a profile (docs/planner.md)::
 
     lit-parl-plan --gpus 8 --gen-tokens-per-s 20000 --train-tokens-per-s 30000 --sync-s 0.5 \\
         --prompts 512 --group-size 8 --completion-tokens 1024 --prompt-tokens 256
@@ -15,10 +21,11 @@ from __future__ import annotations
 
 import argparse
 import itertools
+import json
 import os
 import sys
 
-from lit_parl.planner.phase_costs import PhaseCosts, measure_costs
+from lit_parl.planner.phase_costs import PhaseCosts, fit_fixed_costs, measure_costs, profile_config
 from lit_parl.planner.pipeline_model import Plan, Prediction, simulate
 
 
@@ -28,14 +35,19 @@ def _ints(text: str | None) -> list[int | None]:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="lit-parl-plan", description=__doc__.split("\n\n")[0])
-    p.add_argument("run_dir", nargs="?", help="a profiling run's directory (timeline.jsonl, .hydra/config.yaml)")
+    p.add_argument(
+        "run_dirs",
+        nargs="*",
+        help="profiling runs' directories (timeline.jsonl, .hydra/config.yaml) of one model: async, sync or both",
+    )
     p.add_argument("--warmup", type=int, default=5, help="iterations left out at the start of the profile")
     p.add_argument("--cores", type=int, default=None, help="the machine's cores (default: this machine's)")
     p.add_argument("--prompts", help="prompts per iteration, comma-separated (default: the profile's)")
+    p.add_argument("--prompts-per-request", help="prompts per chunk, comma-separated (default: the profile's)")
     p.add_argument("--micro-batch-sizes", help="completions per step, comma-separated (default: the profile's)")
-    p.add_argument("--workers", help="rollout workers (CPU) or inference GPUs, comma-separated")
-    p.add_argument("--trainer-threads", help="the trainer's threads beside the pool, comma-separated")
-    p.add_argument("--lend", action="store_true", help="also predict with the pool's cores lent (CoreShare)")
+    p.add_argument("--workers", help="rollout workers (CPU) or inference GPUs, comma-separated (async only)")
+    p.add_argument("--trainer-threads", help="the trainer's threads beside the pool, comma-separated (async only)")
+    p.add_argument("--lend", action="store_true", help="also predict with the pool's cores lent (CoreShare, async)")
     gpus = p.add_argument_group("GPUs, from stated throughputs instead of a profile")
     gpus.add_argument("--gpus", type=int, help="devices to split between inference and training")
     gpus.add_argument("--gen-tokens-per-s", type=float, help="tokens one inference device generates per second")
@@ -47,7 +59,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     gpus.add_argument("--prompt-tokens", type=float, default=256.0, help="prompt tokens (trained once per group)")
     gpus.add_argument("--chunk-prompts", type=int, default=64, help="prompts per inference batch")
     args = p.parse_args(argv)
-    if (args.run_dir is None) == (args.gpus is None):
+    if (not args.run_dirs) == (args.gpus is None):
         p.error("give a profiling run's directory, or --gpus with the stated throughputs")
     if args.gpus is not None and not (args.gen_tokens_per_s and args.train_tokens_per_s):
         p.error("--gpus needs --gen-tokens-per-s and --train-tokens-per-s")
@@ -99,21 +111,41 @@ def rows(args: argparse.Namespace) -> list[tuple[dict, Prediction]]:
             )
         return found
     cores = args.cores or os.cpu_count() or 1
-    costs = measure_costs(args.run_dir, args.warmup, cores)
-    lends = [False, True] if args.lend else [False]
-    for n, m, w, t, lend in itertools.product(
-        _ints(args.prompts), _ints(args.micro_batch_sizes), _ints(args.workers), _ints(args.trainer_threads), lends
-    ):
-        plan = Plan(prompts=n, micro_batch_size=m, workers=w, trainer_threads=t, lend=lend)
-        shown = {
-            "prompts": n or costs.prompts,
-            "micro_batch": m or costs.micro_batch_size,
-            "workers": w or costs.workers,
-            "trainer_threads": t or costs.trainer_threads,
-            "lend": lend,
-        }
-        found.append((shown, simulate(costs, plan, cores)))
+    for costs in profiled_modes(args.run_dirs, args.warmup, cores):
+        split = costs.mode == "async"  # a sync profile predicts its own split
+        splits = itertools.product(
+            _ints(args.workers) if split else [None],
+            _ints(args.trainer_threads) if split else [None],
+            [False, True] if args.lend and split else [False],
+        )
+        for (n, c, m), (w, t, lend) in itertools.product(
+            itertools.product(_ints(args.prompts), _ints(args.prompts_per_request), _ints(args.micro_batch_sizes)),
+            splits,
+        ):
+            plan = Plan(prompts=n, prompts_per_request=c, micro_batch_size=m, workers=w, trainer_threads=t, lend=lend)
+            shown = {
+                "mode": costs.mode,
+                "prompts": n or costs.prompts,
+                "chunk": c or costs.prompts_per_request,
+                "micro_batch": m or costs.micro_batch_size,
+                "workers": w or costs.workers,
+                "trainer_threads": t or costs.trainer_threads,
+                "lend": lend,
+            }
+            found.append((shown, simulate(costs, plan, cores)))
     return found
+
+
+def profiled_modes(run_dirs: list[str], warmup: int, cores: int) -> list[PhaseCosts]:
+    """Each mode's costs from its profiles (fixed costs fitted where they have several sizes); one model's only."""
+    by_mode: dict[str, list[PhaseCosts]] = {}
+    for run_dir in run_dirs:
+        costs = measure_costs(run_dir, warmup, cores)
+        by_mode.setdefault(costs.mode, []).append(costs)
+    models = {json.dumps(profile_config(d).get("model"), sort_keys=True) for d in run_dirs}
+    if len(models) > 1:
+        raise ValueError(f"the profiles are of {len(models)} different models: give one model's profiles at a time")
+    return [fit_fixed_costs(profiles) for profiles in by_mode.values()]
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -10,7 +11,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from lit_parl.planner.phase_costs import PhaseCosts, measure_costs
+from lit_parl.planner.phase_costs import PhaseCosts, fit_fixed_costs, measure_costs
 from lit_parl.planner.pipeline_model import Plan, simulate
 from lit_parl.planner.plan_cli import main
 
@@ -18,25 +19,36 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def write_profile(
-    run_dir: Path, iterations: int = 8, lent_from: int | None = None, mode: str = "async", chunk: float = 0.010
+    run_dir: Path,
+    iterations: int = 8,
+    lent_from: int | None = None,
+    mode: str = "async",
+    chunk: float = 0.010,
+    per_chunk: int = 4,
+    passes: int = 1,
+    cold: float = 0.0,
 ) -> None:
-    """A run of 16 prompts x 4 in chunks of 4 prompts (16 samples) and micro-batches of 16: sync 3 ms, chunks
-    of 10 ms (``chunk``), steps of 20 ms (lent: 12 ms) and a last step 2 ms longer, waits of 1 ms, gaps of 0.5 ms,
-    0.4 ms between iterations."""
+    """A run of 16 prompts x 4 in chunks of 4 prompts (16 samples; ``per_chunk``) and micro-batches of 16: sync
+    3 ms, chunks of 10 ms (``chunk``), steps of 20 ms (lent: 12 ms) and a last step 2 ms longer, waits of 1 ms,
+    gaps of 0.5 ms, 0.4 ms between iterations. ``mode="sync"``: the first step waits for the last chunk. ``cold``:
+    what the first chunk takes beyond the others."""
     config = {
-        "shape": {"prompts": 16, "group_size": 4, "micro_batch_size": 16, "mini_batches": 1, "passes": 1},
-        "pool": {"num_workers": 1, "threads_per_worker": 1, "prompts_per_request": 4},
+        "shape": {"prompts": 16, "group_size": 4, "micro_batch_size": 16, "mini_batches": 1, "passes": passes},
+        "pool": {"num_workers": 1, "threads_per_worker": 1, "prompts_per_request": per_chunk},
         "datamodule": {"mode": mode, "trainer_threads": None},
+        "model": {"hidden_size": 128},
     }
     (run_dir / ".hydra").mkdir(parents=True)
     (run_dir / ".hydra" / "config.yaml").write_text(yaml.safe_dump(config))
     lines, begin = [], 0.0
     for i in range(iterations):
         sync = [(begin, begin + 0.003)]
-        generate = [(begin + 0.003 + chunk * c, begin + 0.003 + chunk * (c + 1)) for c in range(4)]
-        train, end = [], generate[0][1] + 0.001  # waited for the first micro-batch: lag 1 ms
+        starts = [begin + 0.003 + chunk * c + (cold if c else 0.0) for c in range(16 // per_chunk)]
+        generate = [(start, start + chunk + (0.0 if c else cold)) for c, start in enumerate(starts)]
+        train, end = [], 0.0
         for j in range(4):
-            end = max(end, generate[j][1] + 0.001)  # or for a later one, when generation is the longer side
+            ready = generate[-1 if mode == "sync" else (4 * j + 3) // per_chunk][1]
+            end = max(end, ready + 0.001)  # waited for this micro-batch (lag 1 ms), or it was in already
             lent = lent_from is not None and j >= lent_from
             length = (0.012 if lent else 0.020) + (0.002 if j == 3 else 0.0)
             train.append((end, end + length))
@@ -131,15 +143,88 @@ def test_the_command_predicts_every_combination_and_recommends_one(tmp_path, cap
     out = capsys.readouterr().out.splitlines()
     # training is the longer side (20 ms a step against 10 ms a chunk of as many samples): a second worker on
     # the 2 cores only takes the trainer's share, and more prompts make the iteration's fixed costs smaller
-    assert len(out) == 1 + 4 + 1 and out[-1].startswith("recommended: prompts=32, micro_batch=16, workers=1"), out
+    assert len(out) == 1 + 4 + 1, out
+    assert out[-1].startswith("recommended: mode=async, prompts=32, chunk=4, micro_batch=16, workers=1"), out
+
+
+def test_the_first_chunk_after_the_sync_is_measured_apart(tmp_path):
+    """Two chunks of 50 ms (generation the longer side), the first 6 ms slower (a worker resuming after a pause):
+    the chunks cost 50 ms, the fill 6 ms more, and the profile's own shape plays back 6 ms longer than without."""
+    write_profile(tmp_path / "cold", cold=0.006, chunk=0.050, per_chunk=8)
+    write_profile(tmp_path / "warm", chunk=0.050, per_chunk=8)
+    cold, warm = (measure_costs(tmp_path / name, warmup=2) for name in ("cold", "warm"))
+    assert cold.chunk_s == pytest.approx(0.050) and cold.fill_extra_s == pytest.approx(0.006)
+    assert warm.fill_extra_s == pytest.approx(0.0)
+    played = simulate(cold, Plan(), cores=2).iteration_s - simulate(warm, Plan(), cores=2).iteration_s
+    assert played == pytest.approx(0.006)
+
+
+def test_a_sync_profile_plays_back_with_every_step_after_the_whole_iteration(tmp_path):
+    """Sync 3, four chunks (to 43), lag 1, four steps (20, 20, 20, 22) with gaps of 0.5, 0.4 to the next sync."""
+    write_profile(tmp_path, mode="sync")
+    costs = measure_costs(tmp_path, warmup=2, cores=2)
+    assert costs.mode == "sync" and costs.trainer_threads == 2  # the phases take turns: the trainer has every core
+    assert costs.lag_s == pytest.approx(0.001) and costs.gap_s == pytest.approx(0.0005)
+    prediction = simulate(costs, Plan(), cores=2)
+    assert prediction.iteration_s == pytest.approx(0.003 + 0.040 + 0.001 + 0.082 + 3 * 0.0005 + 0.0004)
+    # more chunks' worth of prompts: every step still waits for all of them
+    longer = simulate(costs, Plan(prompts=32), cores=2)
+    assert longer.iteration_s == pytest.approx(0.003 + 0.080 + 0.001 + 0.162 + 7 * 0.0005 + 0.0004)
+    with pytest.raises(ValueError, match="predicts its own split"):
+        simulate(costs, Plan(workers=2), cores=2)
+
+
+def test_profiles_at_two_chunk_sizes_separate_a_calls_fixed_cost(tmp_path):
+    """Chunks of 4 prompts in 10 ms and of 8 in 12 ms: 8 ms a call, 0.5 ms a prompt; a chunk of 16 takes 16 ms."""
+    write_profile(tmp_path / "c4", per_chunk=4, chunk=0.010)
+    write_profile(tmp_path / "c8", per_chunk=8, chunk=0.012)
+    fitted = fit_fixed_costs([measure_costs(tmp_path / "c4", warmup=2), measure_costs(tmp_path / "c8", warmup=2)])
+    assert fitted.prompts_per_request == 4 and fitted.chunk_fixed_s == pytest.approx(0.008)
+    assert fitted.step_fixed_s == 0.0  # one micro-batch size: a step's fixed part cannot be told apart
+    one_chunk = simulate(fitted, Plan(prompts_per_request=16), cores=2)
+    # sync 3, the one chunk 16, lag 1, four steps back to back (82 and 3 gaps), 0.4
+    assert one_chunk.iteration_s == pytest.approx(0.003 + 0.016 + 0.001 + 0.082 + 3 * 0.0005 + 0.0004)
+    # from the first profile alone a chunk's time is in proportion to its prompts: 40 ms for 16
+    alone = simulate(measure_costs(tmp_path / "c4", warmup=2), Plan(prompts_per_request=16), cores=2)
+    assert alone.iteration_s - one_chunk.iteration_s == pytest.approx(0.040 - 0.016)
+    other = measure_costs(tmp_path / "c8", warmup=2)
+    with pytest.raises(ValueError, match="must differ only in prompts, chunk and micro-batch sizes"):
+        fit_fixed_costs([fitted, dataclasses.replace(other, workers=2)])
+
+
+def test_the_command_compares_the_modes_it_was_given_profiles_of(tmp_path, capsys):
+    """Async and sync profiles of one model: each mode's rows, and the faster recommended (async here: sync
+    waits for all four chunks before the first step)."""
+    write_profile(tmp_path / "async")
+    write_profile(tmp_path / "sync", mode="sync")
+    argv = [str(tmp_path / "async"), str(tmp_path / "sync"), "--warmup", "2", "--cores", "2", "--workers", "1,2"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out.splitlines()
+    modes = [line.split(" | ")[0] for line in out[1:-1]]
+    assert modes == ["async", "async", "sync"], out  # a sync profile predicts its own split only
+    assert out[-1].startswith("recommended: mode=async"), out
+    other = tmp_path / "other"
+    write_profile(other, mode="sync")
+    config = yaml.safe_load((other / ".hydra" / "config.yaml").read_text())
+    config["model"]["hidden_size"] = 64
+    (other / ".hydra" / "config.yaml").write_text(yaml.safe_dump(config))
+    assert main([str(tmp_path / "async"), str(other), "--warmup", "2"]) == 2
+    assert "2 different models" in capsys.readouterr().err
 
 
 def test_bad_profiles_are_refused_with_the_fix(tmp_path, capsys):
     assert main([str(tmp_path)]) == 2
     assert "timeline.jsonl is missing" in capsys.readouterr().err
-    write_profile(tmp_path / "sync", mode="sync")
-    assert main([str(tmp_path / "sync")]) == 2
+    write_profile(tmp_path / "passes", passes=2)
+    assert main([str(tmp_path / "passes")]) == 2
     assert "profile one of those" in capsys.readouterr().err
+    one_step = tmp_path / "one_step"  # one micro-batch an iteration: its step is not told from the optimizer's
+    write_profile(one_step)
+    lines = [json.loads(line) for line in (one_step / "timeline.jsonl").read_text().splitlines()]
+    timeline = "".join(json.dumps({**line, "train": line["train"][-1:]}) + "\n" for line in lines)
+    (one_step / "timeline.jsonl").write_text(timeline)
+    assert main([str(one_step), "--warmup", "2"]) == 2
+    assert "profile with two or more" in capsys.readouterr().err
     write_profile(tmp_path / "short", iterations=4)
     assert main([str(tmp_path / "short"), "--warmup", "2"]) == 2
     assert "need 3 or more" in capsys.readouterr().err
