@@ -192,7 +192,7 @@ class VLLMRolloutPool(SpawnedWorkerPool, AdapterPool):
             raise ValueError(f"VLLMRolloutPool(max_lora_rank={max_lora_rank}): an adapter's rank is at least 1")
         self.tensor_parallel_size, self.lora, self.max_lora_rank = tensor_parallel_size, lora, max_lora_rank
         self._worker_gpus: list[str] | None = None  # each worker's CUDA_VISIBLE_DEVICES, resolved at start
-        self._adapter_root: str | None = None  # where the engines write each version's adapter (lora=adapter)
+        self._scratch: str | None = None  # the engines' adapters (lora=adapter) and vLLM's socket files
         self.engine_args = {
             "dtype": dtype,
             "seed": seed,
@@ -232,10 +232,9 @@ class VLLMRolloutPool(SpawnedWorkerPool, AdapterPool):
         # resolved now, against the environment the workers are started from, and kept for replacements
         visible = os.environ.get("CUDA_VISIBLE_DEVICES")
         self._worker_gpus = None if self.gpu_ids is None else visible_devices(self.gpu_ids, visible, "VLLMRolloutPool")
-        if self.takes_lora_adapters:  # in memory where there is some; removed when the pool closes (or is dropped)
-            shm = "/dev/shm" if os.path.isdir("/dev/shm") else None
-            self._adapter_root = tempfile.mkdtemp(prefix="lit_parl_vllm_adapters_", dir=shm)
-            weakref.finalize(self, shutil.rmtree, self._adapter_root, ignore_errors=True)
+        # in memory where there is some; removed at close (or when dropped), also what killed processes left
+        self._scratch = tempfile.mkdtemp(prefix="lit_parl_vllm_", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
+        weakref.finalize(self, shutil.rmtree, self._scratch, ignore_errors=True)
         super()._start(spec)
 
     @property
@@ -249,7 +248,8 @@ class VLLMRolloutPool(SpawnedWorkerPool, AdapterPool):
         self._await_settled(f"loading the adapter of version {version}", version)
 
     def _worker_env(self, index: int) -> dict[str, str]:
-        return {} if self._worker_gpus is None else {"CUDA_VISIBLE_DEVICES": self._worker_gpus[index]}
+        placed = {} if self._worker_gpus is None else {"CUDA_VISIBLE_DEVICES": self._worker_gpus[index]}
+        return {"VLLM_RPC_BASE_PATH": self._scratch, **placed}  # vLLM's ZeroMQ socket files go there
 
     def _details(self) -> dict:
         placed = {"cuda_visible_devices": list(self._worker_gpus)} if self._worker_gpus else {}
@@ -259,8 +259,8 @@ class VLLMRolloutPool(SpawnedWorkerPool, AdapterPool):
         try:
             super()._close()
         finally:
-            if self._adapter_root is not None:
-                shutil.rmtree(self._adapter_root, ignore_errors=True)
+            if self._scratch is not None:
+                shutil.rmtree(self._scratch, ignore_errors=True)
 
     def _generate(self, requests: list[GroupRequest], sampling: SamplingParams) -> Iterator[GroupCompletions]:
         if sampling.stop and self.engine_args.get("skip_tokenizer_init"):  # vLLM would ignore them without a word
@@ -272,9 +272,7 @@ class VLLMRolloutPool(SpawnedWorkerPool, AdapterPool):
 
     def _engine(self, spec: PoolSpec, threads: int):
         model_dir, placed = str(spec.model_dir), self.gpu_ids is not None
-        return functools.partial(
-            VLLMEngine, model_dir, self.engine_args, spec.eos_id, threads, placed, self._adapter_root
-        )
+        return functools.partial(VLLMEngine, model_dir, self.engine_args, spec.eos_id, threads, placed, self._scratch)
 
     def _assign(self, requests: list[GroupRequest]) -> list[tuple[int, list[GroupRequest]]]:
         # every prompt goes out now, round-robin: each engine batches all of its share at once

@@ -35,8 +35,10 @@ import csv
 import importlib.util
 import os
 import signal
+import stat
 import subprocess
 import sys
+import tempfile
 import textwrap
 import threading
 import time
@@ -529,7 +531,7 @@ def test_two_tensor_parallel_ranks_load_their_shards_die_with_their_worker_and_c
     core stays in-process); collective_rpc gives each the whole tensors and each loads its shard."""
     # vLLM's CPU build binds each rank's threads to a NUMA node of its own by default; this machine has one
     monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "nobind")
-    shared_memory = set(os.listdir("/dev/shm"))
+    shared_memory, temporary = set(os.listdir("/dev/shm")), set(os.listdir(tempfile.gettempdir()))
     model, tokenizer = tiny()
     pool = VLLMRolloutPool(tensor_parallel_size=2, kv_cache_memory_bytes=KV_CACHE, max_restarts=1)
     assert pool.engine_args["distributed_executor_backend"] == "mp"
@@ -570,11 +572,23 @@ def test_two_tensor_parallel_ranks_load_their_shards_die_with_their_worker_and_c
     finally:
         pool.close()
     assert not _wait_gone(left, 10.0), "the worker or its ranks outlived close"
+    # the ranks' message queues bind ZeroMQ socket files, which a killed rank cannot remove: in the pool's
+    # scratch directory, which close removes, not in the temporary directory
+    sockets = [n for n in set(os.listdir(tempfile.gettempdir())) - temporary if _is_socket(tempfile.gettempdir(), n)]
+    assert not sockets, f"vLLM's socket files were left in {tempfile.gettempdir()}: {sockets}"
+    assert not [n for n in set(os.listdir("/dev/shm")) - shared_memory if n.startswith("lit_parl_vllm_")]
     # vLLM's CPU build leaves its ranks' shared-memory all-reduce files behind when they are stopped (its own
     # engine shutdown does too, after its grace period): this test's, removed once every rank is gone
     for name in set(os.listdir("/dev/shm")) - shared_memory:
         if name.startswith("vllm_dist_") and "cpushm" in name:
             os.remove(f"/dev/shm/{name}")
+
+
+def _is_socket(directory: str, name: str) -> bool:
+    try:
+        return stat.S_ISSOCK(os.lstat(os.path.join(directory, name)).st_mode)
+    except FileNotFoundError:
+        return False
 
 
 # -- the vLLM API the pool relies on ------------------------------------------------------------------
