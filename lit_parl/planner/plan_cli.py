@@ -8,7 +8,7 @@ prints, for every combination, the predicted iteration time, completions per sec
 time, and names the fastest. Profiles of one mode at two or more chunk and micro-batch sizes separate a call's
 fixed costs from its samples' (``fit_fixed_costs``), and profiles of both modes are compared::
 
-    lit-parl-plan runs/async_c8 runs/async_c16 runs/sync_c8 runs/sync_c16 --prompts-per-request 8,16,32 \
+    lit-parl-plan runs/async_c8 runs/async_c16 runs/sync_c8 runs/sync_c16 --prompts-per-request 8,16,32 \\
         --micro-batch-sizes 64,128,256
 
 For GPUs, from stated throughputs instead of a profile (docs/planner.md)::
@@ -60,7 +60,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     gpus.add_argument("--chunk-prompts", type=int, default=64, help="prompts per inference batch")
     args = p.parse_args(argv)
     if (not args.run_dirs) == (args.gpus is None):
-        p.error("give a profiling run's directory, or --gpus with the stated throughputs")
+        p.error("give profiling runs' directories, or --gpus with the stated throughputs")
     if args.gpus is not None and not (args.gen_tokens_per_s and args.train_tokens_per_s):
         p.error("--gpus needs --gen-tokens-per-s and --train-tokens-per-s")
     return args
