@@ -47,7 +47,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--micro-batch-sizes", help="completions per step, comma-separated (default: the profile's)")
     p.add_argument("--workers", help="rollout workers (CPU) or inference GPUs, comma-separated (async only)")
     p.add_argument("--trainer-threads", help="the trainer's threads beside the pool, comma-separated (async only)")
-    p.add_argument("--lend", action="store_true", help="also predict with the pool's cores lent (CoreShare, async)")
+    p.add_argument(
+        "--lend",
+        action="store_true",
+        help="also predict the other lending state (CoreShare, async): lent, from a profile that lent, or not lent",
+    )
     gpus = p.add_argument_group("GPUs, from stated throughputs instead of a profile")
     gpus.add_argument("--gpus", type=int, help="devices to split between inference and training")
     gpus.add_argument("--gen-tokens-per-s", type=float, help="tokens one inference device generates per second")
@@ -113,10 +117,11 @@ def rows(args: argparse.Namespace) -> list[tuple[dict, Prediction]]:
     cores = args.cores or os.cpu_count() or 1
     for costs in profiled_modes(args.run_dirs, args.warmup, cores):
         split = costs.mode == "async"  # a sync profile predicts its own split
+        lent = costs.lent_step_s is not None  # a profile that lent plays back lending, as it ran
         splits = itertools.product(
             _ints(args.workers) if split else [None],
             _ints(args.trainer_threads) if split else [None],
-            [False, True] if args.lend and split else [False],
+            ([lent, not lent] if args.lend else [lent]) if split else [False],
         )
         for (n, c, m), (w, t, lend) in itertools.product(
             itertools.product(_ints(args.prompts), _ints(args.prompts_per_request), _ints(args.micro_batch_sizes)),

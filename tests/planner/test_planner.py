@@ -192,6 +192,16 @@ def test_profiles_at_two_chunk_sizes_separate_a_calls_fixed_cost(tmp_path):
         fit_fixed_costs([fitted, dataclasses.replace(other, workers=2)])
 
 
+def test_a_profile_that_lent_is_predicted_lending_unless_asked_for_both(tmp_path, capsys):
+    write_profile(tmp_path, lent_from=2)
+    assert main([str(tmp_path), "--warmup", "2", "--cores", "2"]) == 0
+    rows = capsys.readouterr().out.splitlines()[1:-1]
+    assert [row.split(" | ")[6] for row in rows] == ["True"], rows
+    assert main([str(tmp_path), "--warmup", "2", "--cores", "2", "--lend"]) == 0
+    rows = capsys.readouterr().out.splitlines()[1:-1]
+    assert [row.split(" | ")[6] for row in rows] == ["True", "False"], rows
+
+
 def test_the_command_compares_the_modes_it_was_given_profiles_of(tmp_path, capsys):
     """Async and sync profiles of one model: each mode's rows, and the faster recommended (async here: sync
     waits for all four chunks before the first step)."""
