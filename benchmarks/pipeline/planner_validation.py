@@ -14,8 +14,10 @@ to the next one's; the planner predicts the same span (``lit_parl.planner.pipeli
 sync, each at chunks of 8 prompts with micro-batches of 64 and at chunks of 16 with micro-batches of 128),
 from which the planner fits each mode's fixed costs per call (``fit_fixed_costs``); then configurations of
 both modes at chunkings it did not see, and whether the fastest it predicts is the fastest measured.
+``--modes smollm2`` does the same on SmolLM2-135M-Instruct (the ``smollm2_reverse`` recipe, 16 prompts x 8).
 
     .venv/bin/python benchmarks/pipeline/planner_validation.py --modes --json benchmarks/logs/planner_modes.json
+    .venv/bin/python benchmarks/pipeline/planner_validation.py --modes smollm2 --warmup 2
 """
 
 from __future__ import annotations
@@ -53,17 +55,28 @@ VALIDATION = [
     ("h64", "128 prompts", ["shape.prompts=128"], Plan(prompts=128)),
 ]
 
-# --modes: the default model's profiles and the configurations predicted from them, as (mode, prompts per
-# chunk, micro-batch size)
-MODE_PROFILES = [("async", 8, 64), ("async", 16, 128), ("sync", 8, 64), ("sync", 16, 128)]
-MODE_VALIDATION = [
-    ("async", 4, 32),
-    ("async", 32, 128),
-    ("async", 32, 256),
-    ("sync", 4, 32),
-    ("sync", 32, 128),
-    ("sync", 32, 256),
-]
+# --modes: per job, its iterations, its profiles and the configurations predicted from them, each as (mode,
+# prompts per chunk, micro-batch size)
+MODE_JOBS = {
+    "h128": (
+        60,
+        [("async", 8, 64), ("async", 16, 128), ("sync", 8, 64), ("sync", 16, 128)],
+        [
+            ("async", 4, 32),
+            ("async", 32, 128),
+            ("async", 32, 256),
+            ("sync", 4, 32),
+            ("sync", 32, 128),
+            ("sync", 32, 256),
+        ],
+    ),
+    "smollm2": (
+        10,
+        [("async", 4, 32), ("async", 8, 64), ("sync", 4, 32), ("sync", 8, 64)],
+        [("async", 16, 64), ("sync", 16, 64), ("sync", 16, 128)],
+    ),
+}
+SMOLLM2 = ["+experiment=smollm2_reverse", "datamodule.evaluation.every_n_iterations=0"]
 
 
 def chunking(mode: str, chunk: int, micro: int) -> tuple[str, list[str]]:
@@ -78,9 +91,11 @@ def iteration_times(run_dir: Path, warmup: int) -> list[float]:
     return [later - earlier for earlier, later in zip(starts, starts[1:])][warmup:]
 
 
-def run(model_dir: Path, run_dir: Path, iterations: int, overrides: list[str]) -> None:
-    cmd = [str(ROOT / ".venv" / "bin" / "lit-parl"), f"iterations={iterations}", "model=pretrained"]
-    cmd += [f"model.path={model_dir}", f"run_dir={run_dir}", "checkpoint_every=0", "trainer.max_time=null", *overrides]
+def run(model_dir: Path | None, run_dir: Path, iterations: int, overrides: list[str]) -> None:
+    """``lit-parl`` on the model saved in ``model_dir``; ``None``: SmolLM2's recipe."""
+    model = SMOLLM2 if model_dir is None else ["model=pretrained", f"model.path={model_dir}"]
+    cmd = [str(ROOT / ".venv" / "bin" / "lit-parl"), f"iterations={iterations}", *model]
+    cmd += [f"run_dir={run_dir}", "checkpoint_every=0", "trainer.max_time=null", *overrides]
     subprocess.run(cmd, cwd=ROOT, check=True, capture_output=True, env=dict(os.environ))
 
 
@@ -89,13 +104,16 @@ def main(argv=None) -> list[dict]:
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--json", default=None)
     p.add_argument("--plot", default=str(ROOT / "docs" / "planner_validation.png"))
-    p.add_argument("--modes", action="store_true", help="validate the mode and chunking (no plot)")
+    p.add_argument("--modes", nargs="?", const="h128", choices=list(MODE_JOBS), help="validate the mode and chunking")
     args = p.parse_args(argv)
     import vs_trl
 
     with tempfile.TemporaryDirectory(prefix="lit_parl_planner_") as work:
         work = Path(work)
-        rows, profiles = (mode_rows if args.modes else split_rows)(work, args.warmup, vs_trl)
+        if args.modes:
+            rows, profiles = mode_rows(work, args.warmup, vs_trl, args.modes)
+        else:
+            rows, profiles = split_rows(work, args.warmup, vs_trl)
     errors = [abs(r["error"]) for r in rows if not r.get("profiled")]
     print("\n| model | configuration | predicted ms | measured ms | error |")
     print("|---|---|---|---|---|")
@@ -145,27 +163,28 @@ def split_rows(work: Path, warmup: int, vs_trl) -> tuple[list[dict], dict]:
     return rows, {k: vars(v) for k, v in costs.items()}
 
 
-def mode_rows(work: Path, warmup: int, vs_trl) -> tuple[list[dict], dict]:
-    """The default model's four profiles, each mode's fixed costs fitted from two; then chunkings unseen."""
-    name, cores = "h128", os.cpu_count() or 1
-    vs_trl.save_model(work / name, name, seed=0)
+def mode_rows(work: Path, warmup: int, vs_trl, name: str) -> tuple[list[dict], dict]:
+    """A job's four profiles, each mode's fixed costs fitted from two; then chunkings unseen."""
+    cores, (iterations, profiled, unseen) = os.cpu_count() or 1, MODE_JOBS[name]
+    model_dir = None if name == "smollm2" else work / name
+    if model_dir is not None:
+        vs_trl.save_model(model_dir, name, seed=0)
     runs = {}
-    for configuration in MODE_PROFILES + MODE_VALIDATION:
+    for configuration in profiled + unseen:
         label, overrides = chunking(*configuration)
         runs[configuration] = work / label.replace(" ", "_")
-        run(work / name, runs[configuration], MODELS[name], overrides)
-    profiles = [str(runs[configuration]) for configuration in MODE_PROFILES]
+        run(model_dir, runs[configuration], iterations, overrides)
+    profiles = [str(runs[configuration]) for configuration in profiled]
     fitted = {costs.mode: costs for costs in profiled_modes(profiles, warmup, cores)}
     print(f"fitted: {fitted}", flush=True)
     rows = []
     for configuration, run_dir in runs.items():  # the profiles too: how the fitted costs play their shapes back
         mode, chunk, micro = configuration
-        plan = Plan(prompts_per_request=chunk, micro_batch_size=micro)
+        lent = fitted[mode].lent_step_s is not None  # as the run lent its pool's cores (the CPU default from 2M)
+        plan = Plan(prompts_per_request=chunk, micro_batch_size=micro, lend=lent)
         predicted = simulate(fitted[mode], plan, cores).iteration_s
         label, overrides = chunking(*configuration)
-        rows.append(
-            {**row(name, label, overrides, predicted, run_dir, warmup), "profiled": configuration in MODE_PROFILES}
-        )
+        rows.append({**row(name, label, overrides, predicted, run_dir, warmup), "profiled": configuration in profiled})
     return rows, {k: vars(v) for k, v in fitted.items()}
 
 
