@@ -232,9 +232,11 @@ class VLLMRolloutPool(SpawnedWorkerPool, AdapterPool):
         # resolved now, against the environment the workers are started from, and kept for replacements
         visible = os.environ.get("CUDA_VISIBLE_DEVICES")
         self._worker_gpus = None if self.gpu_ids is None else visible_devices(self.gpu_ids, visible, "VLLMRolloutPool")
-        # in memory where there is some; removed at close (or when dropped), also what killed processes left
-        self._scratch = tempfile.mkdtemp(prefix="lit_parl_vllm_", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
-        weakref.finalize(self, shutil.rmtree, self._scratch, ignore_errors=True)
+        if self.takes_lora_adapters or self.tensor_parallel_size > 1:  # adapters; the ranks' queues' socket files
+            # in memory where there is some; removed at close (or when dropped), also what killed processes left
+            shm = "/dev/shm" if os.path.isdir("/dev/shm") else None
+            self._scratch = tempfile.mkdtemp(prefix="lit_parl_vllm_", dir=shm)
+            weakref.finalize(self, shutil.rmtree, self._scratch, ignore_errors=True)
         super()._start(spec)
 
     @property
@@ -248,8 +250,8 @@ class VLLMRolloutPool(SpawnedWorkerPool, AdapterPool):
         self._await_settled(f"loading the adapter of version {version}", version)
 
     def _worker_env(self, index: int) -> dict[str, str]:
-        placed = {} if self._worker_gpus is None else {"CUDA_VISIBLE_DEVICES": self._worker_gpus[index]}
-        return {"VLLM_RPC_BASE_PATH": self._scratch, **placed}  # vLLM's ZeroMQ socket files go there
+        env = {} if self._scratch is None else {"VLLM_RPC_BASE_PATH": self._scratch}  # vLLM's ZeroMQ socket files
+        return env if self._worker_gpus is None else {**env, "CUDA_VISIBLE_DEVICES": self._worker_gpus[index]}
 
     def _details(self) -> dict:
         placed = {"cuda_visible_devices": list(self._worker_gpus)} if self._worker_gpus else {}
