@@ -572,16 +572,16 @@ def test_two_tensor_parallel_ranks_load_their_shards_die_with_their_worker_and_c
     finally:
         pool.close()
     assert not _wait_gone(left, 10.0), "the worker or its ranks outlived close"
-    # the ranks' message queues bind ZeroMQ socket files, which a killed rank cannot remove: in the pool's
-    # scratch directory, which close removes, not in the temporary directory
-    sockets = [n for n in set(os.listdir(tempfile.gettempdir())) - temporary if _is_socket(tempfile.gettempdir(), n)]
-    assert not sockets, f"vLLM's socket files were left in {tempfile.gettempdir()}: {sockets}"
-    assert not [n for n in set(os.listdir("/dev/shm")) - shared_memory if n.startswith("lit_parl_vllm_")]
     # vLLM's CPU build leaves its ranks' shared-memory all-reduce files behind when they are stopped (its own
     # engine shutdown does too, after its grace period): this test's, removed once every rank is gone
     for name in set(os.listdir("/dev/shm")) - shared_memory:
         if name.startswith("vllm_dist_") and "cpushm" in name:
             os.remove(f"/dev/shm/{name}")
+    # the ranks' message queues bind ZeroMQ socket files, which a killed rank cannot remove: in the pool's
+    # scratch directory, which close removes, not in the temporary directory
+    sockets = [n for n in set(os.listdir(tempfile.gettempdir())) - temporary if _is_socket(tempfile.gettempdir(), n)]
+    assert not sockets, f"vLLM's socket files were left in {tempfile.gettempdir()}: {sockets}"
+    assert not [n for n in set(os.listdir("/dev/shm")) - shared_memory if n.startswith("lit_parl_vllm_")]
 
 
 def _is_socket(directory: str, name: str) -> bool:
