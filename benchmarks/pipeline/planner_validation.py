@@ -34,9 +34,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "benchmarks" / "vs_trl"))
 
-from lit_parl.planner.phase_costs import measure_costs  # noqa: E402
+from lit_parl.planner.phase_costs import measure_costs, measure_modes  # noqa: E402
 from lit_parl.planner.pipeline_model import Plan, simulate  # noqa: E402
-from lit_parl.planner.plan_cli import profiled_modes  # noqa: E402
 
 # the models of benchmarks/vs_trl (h128 is the default job's) and the iterations of each run
 MODELS = {"h128": 60, "h256x4": 30, "h64": 60}
@@ -175,13 +174,12 @@ def mode_rows(work: Path, warmup: int, vs_trl, name: str) -> tuple[list[dict], d
         runs[configuration] = work / label.replace(" ", "_")
         run(model_dir, runs[configuration], iterations, overrides)
     profiles = [str(runs[configuration]) for configuration in profiled]
-    fitted = {costs.mode: costs for costs in profiled_modes(profiles, warmup, cores)}
+    fitted = {costs.mode: costs for costs in measure_modes(profiles, warmup, cores)}
     print(f"fitted: {fitted}", flush=True)
     rows = []
     for configuration, run_dir in runs.items():  # the profiles too: how the fitted costs play their shapes back
         mode, chunk, micro = configuration
-        lent = fitted[mode].lent_step_s is not None  # as the run lent its pool's cores (the CPU default from 2M)
-        plan = Plan(prompts_per_request=chunk, micro_batch_size=micro, lend=lent)
+        plan = Plan(prompts_per_request=chunk, micro_batch_size=micro)  # lending as the profile ran
         predicted = simulate(fitted[mode], plan, cores).iteration_s
         label, overrides = chunking(*configuration)
         rows.append({**row(name, label, overrides, predicted, run_dir, warmup), "profiled": configuration in profiled})

@@ -91,7 +91,7 @@ def _median(values: list[float], what: str, default: float | None = None) -> flo
     return statistics.median(values)
 
 
-def profile_config(run_dir: str | Path) -> dict:
+def _config(run_dir: str | Path) -> dict:
     """A profiling run's Hydra config (``.hydra/config.yaml`` in its directory)."""
     path = Path(run_dir) / ".hydra" / "config.yaml"
     if not path.exists():
@@ -112,7 +112,7 @@ def measure_costs(run_dir: str | Path, warmup: int = 5, cores: int | None = None
     timeline_path = run_dir / "timeline.jsonl"
     if not timeline_path.exists():
         raise FileNotFoundError(f"{timeline_path} is missing: profile with the PipelineTimeline callback (the default)")
-    config = profile_config(run_dir)
+    config = _config(run_dir)
     shape, pool, data = config["shape"], config["pool"], config["datamodule"]
     mode = data.get("mode", "async")
     if mode not in ("async", "sync") or shape.get("mini_batches", 1) != 1 or shape.get("passes", 1) != 1:
@@ -219,3 +219,15 @@ def _fixed_part(points: list[tuple[int, float]], size: int, cost: float) -> floa
         return 0.0
     slope, _ = statistics.linear_regression([float(s) for s, _ in points], [c for _, c in points])
     return min(max(cost - slope * size, 0.0), cost)
+
+
+def measure_modes(run_dirs: list[str | Path], warmup: int = 5, cores: int | None = None) -> list[PhaseCosts]:
+    """Each mode's costs from its profiles (``fit_fixed_costs`` where they have several sizes); one model's only."""
+    by_mode: dict[str, list[PhaseCosts]] = {}
+    for run_dir in run_dirs:
+        costs = measure_costs(run_dir, warmup, cores)
+        by_mode.setdefault(costs.mode, []).append(costs)
+    models = {json.dumps(_config(d).get("model"), sort_keys=True) for d in run_dirs}
+    if len(models) > 1:
+        raise ValueError(f"the profiles are of {len(models)} different models: give one model's profiles at a time")
+    return [fit_fixed_costs(profiles) for profiles in by_mode.values()]

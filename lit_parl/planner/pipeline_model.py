@@ -37,8 +37,8 @@ class Plan:
         micro_batch_size: completions per training step.
         workers: the pool's worker processes (one thread each, as profiled).
         trainer_threads: the trainer's threads beside the pool.
-        lend: the pool's cores train the iteration's tail once it is idle (``CoreShare``); needs a profile
-            that lent (``lent_step_s``).
+        lend: the pool's cores train the iteration's tail once it is idle (``CoreShare``); ``True`` needs a
+            profile that lent (``lent_step_s``). ``None``: as the profile ran.
     """
 
     prompts: int | None = None
@@ -46,7 +46,7 @@ class Plan:
     micro_batch_size: int | None = None
     workers: int | None = None
     trainer_threads: int | None = None
-    lend: bool = False
+    lend: bool | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,11 +67,12 @@ def simulate(costs: PhaseCosts, plan: Plan, cores: int) -> Prediction:
     T = plan.trainer_threads or costs.trainer_threads
     G, p = costs.group_size, plan.prompts_per_request or costs.prompts_per_request
     turns = costs.mode == "sync"  # generation, then training, each on every core
+    lend = costs.lent_step_s is not None if plan.lend is None else plan.lend
     if (N * G) % M:
         raise ValueError(f"micro_batch_size={M} must divide prompts x group_size = {N * G}")
-    if plan.lend and costs.lent_step_s is None:
+    if lend and costs.lent_step_s is None:
         raise ValueError("lend=True needs a profile that lent the pool's cores (datamodule.lend_cores=true)")
-    if turns and (W != costs.workers or T != costs.trainer_threads or plan.lend):
+    if turns and (W != costs.workers or T != costs.trainer_threads or lend):
         raise ValueError("a sync profile predicts its own split: vary prompts, chunks and micro-batches only")
     chunk_sizes = [min(p, N - start) * G for start in range(0, N, p)]
     queues = [[c for c in range(len(chunk_sizes)) if c % W == w] for w in range(W)]
@@ -129,7 +130,7 @@ def simulate(costs: PhaseCosts, plan: Plan, cores: int) -> Prediction:
             continue
         done = trainer[0]
         if done in ("lag", "gap"):
-            lent = plan.lend and not any(queues) and all(w is None for w in workers)
+            lent = lend and not any(queues) and all(w is None for w in workers)
             work = (costs.lent_step_s if lent else beside) * step_scale
             trainer = ["step", work + (costs.last_extra_s if next_step == steps - 1 else 0.0)]
         elif done == "step":

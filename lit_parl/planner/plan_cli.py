@@ -21,11 +21,10 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import json
 import os
 import sys
 
-from lit_parl.planner.phase_costs import PhaseCosts, fit_fixed_costs, measure_costs, profile_config
+from lit_parl.planner.phase_costs import PhaseCosts, measure_modes
 from lit_parl.planner.pipeline_model import Plan, Prediction, simulate
 
 
@@ -115,17 +114,16 @@ def rows(args: argparse.Namespace) -> list[tuple[dict, Prediction]]:
             )
         return found
     cores = args.cores or os.cpu_count() or 1
-    for costs in profiled_modes(args.run_dirs, args.warmup, cores):
+    for costs in measure_modes(args.run_dirs, args.warmup, cores):
         split = costs.mode == "async"  # a sync profile predicts its own split
         lent = costs.lent_step_s is not None  # a profile that lent plays back lending, as it ran
-        splits = itertools.product(
+        for n, c, m, w, t, lend in itertools.product(
+            _ints(args.prompts),
+            _ints(args.prompts_per_request),
+            _ints(args.micro_batch_sizes),
             _ints(args.workers) if split else [None],
             _ints(args.trainer_threads) if split else [None],
             ([lent, not lent] if args.lend else [lent]) if split else [False],
-        )
-        for (n, c, m), (w, t, lend) in itertools.product(
-            itertools.product(_ints(args.prompts), _ints(args.prompts_per_request), _ints(args.micro_batch_sizes)),
-            splits,
         ):
             plan = Plan(prompts=n, prompts_per_request=c, micro_batch_size=m, workers=w, trainer_threads=t, lend=lend)
             shown = {
@@ -139,18 +137,6 @@ def rows(args: argparse.Namespace) -> list[tuple[dict, Prediction]]:
             }
             found.append((shown, simulate(costs, plan, cores)))
     return found
-
-
-def profiled_modes(run_dirs: list[str], warmup: int, cores: int) -> list[PhaseCosts]:
-    """Each mode's costs from its profiles (fixed costs fitted where they have several sizes); one model's only."""
-    by_mode: dict[str, list[PhaseCosts]] = {}
-    for run_dir in run_dirs:
-        costs = measure_costs(run_dir, warmup, cores)
-        by_mode.setdefault(costs.mode, []).append(costs)
-    models = {json.dumps(profile_config(d).get("model"), sort_keys=True) for d in run_dirs}
-    if len(models) > 1:
-        raise ValueError(f"the profiles are of {len(models)} different models: give one model's profiles at a time")
-    return [fit_fixed_costs(profiles) for profiles in by_mode.values()]
 
 
 def main(argv: list[str] | None = None) -> int:

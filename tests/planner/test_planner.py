@@ -132,7 +132,8 @@ def test_more_threads_than_cores_share_them():
 def test_lending_shortens_the_tail_only_once_the_pool_is_done(tmp_path):
     write_profile(tmp_path, lent_from=2)
     costs = measure_costs(tmp_path, warmup=2)
-    plain, lent = simulate(costs, Plan(), cores=2), simulate(costs, Plan(lend=True), cores=2)
+    plain, lent = simulate(costs, Plan(lend=False), cores=2), simulate(costs, Plan(lend=True), cores=2)
+    assert simulate(costs, Plan(), cores=2) == lent  # unset: as the profile ran
     # the pool is done at 43 ms, during the second step: the third and fourth steps are lent (8 ms less each)
     assert plain.iteration_s - lent.iteration_s == pytest.approx(2 * 0.008)
 
@@ -187,6 +188,11 @@ def test_profiles_at_two_chunk_sizes_separate_a_calls_fixed_cost(tmp_path):
     # from the first profile alone a chunk's time is in proportion to its prompts: 40 ms for 16
     alone = simulate(measure_costs(tmp_path / "c4", warmup=2), Plan(prompts_per_request=16), cores=2)
     assert alone.iteration_s - one_chunk.iteration_s == pytest.approx(0.040 - 0.016)
+    # a line that would put a negative or more-than-whole fixed part (noise between two close sizes) is clamped:
+    # a chunk is then all per-sample (twice the prompts, three times the time) or all fixed (a bigger one no slower)
+    steep = fit_fixed_costs([fitted, dataclasses.replace(fitted, prompts_per_request=8, chunk_s=0.030)])
+    flat = fit_fixed_costs([fitted, dataclasses.replace(fitted, prompts_per_request=8, chunk_s=0.009)])
+    assert (steep.chunk_fixed_s, flat.chunk_fixed_s) == (0.0, pytest.approx(0.010))
     other = measure_costs(tmp_path / "c8", warmup=2)
     with pytest.raises(ValueError, match="must differ only in prompts, chunk and micro-batch sizes"):
         fit_fixed_costs([fitted, dataclasses.replace(other, workers=2)])
