@@ -487,6 +487,7 @@ def test_a_sigkilled_trainer_takes_its_vllm_worker_with_it(tmp_path):
             time.sleep(600)
     """)
     )
+    shared_memory = set(os.listdir("/dev/shm"))
     proc = subprocess.Popen(
         [sys.executable, str(script)], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True
     )
@@ -504,6 +505,8 @@ def test_a_sigkilled_trainer_takes_its_vllm_worker_with_it(tmp_path):
         assert proc.wait(timeout=10) == -signal.SIGKILL
         left = _wait_gone(tree, 10.0)
         assert not left, f"processes of the pool outlived the SIGKILLed trainer (PR_SET_PDEATHSIG): {left}"
+        # a SIGKILLed trainer removes nothing: a pool with neither adapters nor ranks makes no scratch directory
+        assert not [n for n in set(os.listdir("/dev/shm")) - shared_memory if n.startswith("lit_parl_vllm_")]
     finally:
         if proc.poll() is None:
             proc.kill()

@@ -82,9 +82,15 @@ def tiny_llama():
 def adapted(request, tmp_path_factory):
     model, tokenizer = tiny() if request.param == "qwen2" else tiny_llama()
     pool = VLLMRolloutPool(kv_cache_memory_bytes=KV_CACHE, lora="adapter", max_lora_rank=8)
+    shared_memory = set(os.listdir("/dev/shm"))
     pool.start(save_spec(model, tokenizer, tmp_path_factory.mktemp("spec") / "model"))
     yield pool, model, tokenizer
+    made = [n for n in set(os.listdir("/dev/shm")) - shared_memory if n.startswith("lit_parl_vllm_")]
+    written = [v for n in made for v in os.listdir(f"/dev/shm/{n}")]
     pool.close()
+    # each version's adapter was written in the pool's one scratch directory, in memory, which close removes
+    assert len(made) == 1 and written, (made, written)
+    assert not os.path.exists(f"/dev/shm/{made[0]}"), "close left the pool's scratch directory"
 
 
 def test_each_versions_adapter_is_served_and_the_logprobs_are_the_merged_policys(adapted):
