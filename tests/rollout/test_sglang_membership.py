@@ -50,6 +50,13 @@ def test_a_bad_membership_file_names_the_line_and_the_fix(tmp_path):
         assert Membership(path).asked({"http://infer0:30000": 1.0}) == ({}, set())
 
 
+def test_a_membership_file_that_is_not_utf8_is_named_with_its_line(tmp_path):
+    path = tmp_path / "servers.txt"
+    path.write_bytes(b"http://infer1:30000\nhttp://infer2:30000 \xff2\n")  # a stray Latin-1 byte on line 2
+    with pytest.warns(RuntimeWarning, match=r"servers.txt:2: not UTF-8 text .* the SGLang servers stay as they are"):
+        assert Membership(path).asked({"http://infer0:30000": 1.0}) == ({}, set())
+
+
 def test_requests_are_spread_by_capacity(tmp_path):
     fleet = ServerFleet(tmp_path)
     fleet.attach(["http://a:1", "http://b:1", "http://c:1"], [3.0, 1.0, 2.0])

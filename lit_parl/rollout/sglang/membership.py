@@ -71,11 +71,17 @@ def why_fixed(router: bool, distributed: bool, adapters: bool = False) -> str | 
 def read_membership_file(path: str | Path) -> dict[str, float]:
     """``{url: capacity}`` of a membership file; a bad line raises naming the file, the line and the fix."""
     servers: dict[str, float] = {}
-    for number, line in enumerate(Path(path).read_text().splitlines(), start=1):
+    for number, raw in enumerate(Path(path).read_bytes().splitlines(), start=1):
+        where = f"{path}:{number}"
+        try:  # line by line, so that text that is not UTF-8 is named by its line
+            line = raw.decode("utf-8")
+        except UnicodeDecodeError as error:
+            raise ValueError(
+                f"{where}: not UTF-8 text ({error.reason} at byte {error.start}): write it as UTF-8"
+            ) from None
         fields = line.split("#", 1)[0].split()
         if not fields:
             continue
-        where = f"{path}:{number}"
         url = fields[0].rstrip("/")
         if not url.startswith(("http://", "https://")) or len(fields) > 2:
             raise ValueError(f"{where}: {line.strip()!r} is not 'URL [capacity]' (e.g. 'http://infer1:30000 2')")
