@@ -274,3 +274,30 @@ def test_the_gpu_worked_example_prints_what_its_page_shows():
     assert f"`{run.stdout.splitlines()[-1]}`" in page
     for row in run.stdout.splitlines()[1:-1]:
         assert f"| {row} |" in page
+
+
+@pytest.mark.parametrize("prompts", [2, 4])
+def test_every_workers_first_chunk_of_the_iteration_is_cold(prompts):
+    """Two workers, chunks of one prompt dealt round-robin (one or two each): each worker's first chunk takes
+    ``fill_extra_s`` more, so every chunk, and with them the whole iteration, ends exactly that much later;
+    a worker's later chunks are warm."""
+    costs = PhaseCosts(
+        chunk_s=0.010,
+        step_s=0.020,
+        lent_step_s=None,
+        last_extra_s=0.002,
+        sync_s=0.003,
+        lag_s=0.001,
+        gap_s=0.0005,
+        between_s=0.0004,
+        prompts=prompts,
+        group_size=4,
+        micro_batch_size=4,
+        prompts_per_request=1,
+        workers=2,
+        trainer_threads=1,
+    )
+    cold = simulate(dataclasses.replace(costs, fill_extra_s=0.005), Plan(), cores=3)
+    warm = simulate(costs, Plan(), cores=3)
+    assert cold.iteration_s - warm.iteration_s == pytest.approx(0.005)
+    assert cold.gen_busy_s - warm.gen_busy_s == pytest.approx(0.005)  # the workers' first chunks side by side
