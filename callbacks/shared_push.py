@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
+import torch
+from lightning.pytorch import Trainer
 from lightning.pytorch.strategies import Strategy
 
 from .contracts import SharedWeightReceiver, WeightBucket
@@ -12,6 +14,9 @@ from .contracts import SharedWeightReceiver, WeightBucket
 class SharedPush:
     r"""Push each version once, from rank 0, while every rank reads the weights; every rank then holds it.
 
+    First, what each rank learned of the receiver's engines since the last push (those its own requests saw fail,
+    ``failed_engines()``) reaches rank 0 in one gather, and rank 0's receiver drops them in this push
+    (``mark_failed(urls)``): a server only rank 1 saw die is not pushed to, and no rank drives it afterwards.
     Every rank iterates the buckets, since reading a sharded policy is a collective (FSDP2's ``full_tensor``,
     FSDP1's unit by unit, ZeRO-3's gathered parameters): rank 0 hands them to the receiver, the other ranks
     drop each bucket once read, so the extra memory stays one bucket. Whatever rank 0's receiver left unread
@@ -24,7 +29,10 @@ class SharedPush:
 
     Args:
         strategy: the trainer's strategy: its ``broadcast`` and ``reduce_boolean_decision`` are the collectives.
-        rank: this process's global rank (``trainer.global_rank``).
+        rank: this process's global rank (``trainer.global_rank``; ``from_trainer`` reads it): rank 0 of the whole
+            trainer pushes, not the first rank of each node.
+        gather: every rank's object, in rank order, on every rank (``None``: ``all_gather_objects``, over the
+            trainer's process group).
 
     Example (one process, whose strategy's collectives return what they are given)::
 
@@ -40,13 +48,20 @@ class SharedPush:
         ['w', 'b']
     """
 
-    def __init__(self, strategy: Strategy, rank: int) -> None:
+    def __init__(self, strategy: Strategy, rank: int, gather: Callable[[object], list] | None = None) -> None:
         self.strategy = strategy
         self.rank = rank
+        self.gather = gather or all_gather_objects
+
+    @classmethod
+    def from_trainer(cls, trainer: Trainer) -> SharedPush:
+        """The shared push of ``trainer``'s process: its strategy's collectives, its rank in the whole trainer."""
+        return cls(trainer.strategy, trainer.global_rank)
 
     def push(self, receiver: SharedWeightReceiver, buckets: Iterator[WeightBucket], version: int, load=None) -> None:
         """Load ``version`` on the receiver from rank 0 (``load(buckets, version)``; ``None``: its
         ``sync_weights``); return on every rank once every rank holds it."""
+        self._share_failures(receiver)
         failure: BaseException | None = None
         if self.rank == 0:
             try:
@@ -74,3 +89,19 @@ class SharedPush:
             raise RuntimeError(
                 f"another rank could not take version {version} from the shared pool (that rank's error says why)"
             )
+
+    def _share_failures(self, receiver: SharedWeightReceiver) -> None:
+        """The engines any rank saw fail reach rank 0's receiver, which drops them before it pushes."""
+        failed = getattr(receiver, "failed_engines", None)  # a receiver without engines of its own to lose
+        heard = self.gather(list(failed()) if failed is not None else [])  # every rank takes part in the collective
+        if self.rank == 0 and failed is not None:
+            receiver.mark_failed(sorted({url for urls in heard for url in urls}))
+
+
+def all_gather_objects(obj: object) -> list:
+    """``obj`` of every rank, in rank order (one collective over the default process group; alone: ``[obj]``)."""
+    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        return [obj]
+    gathered: list = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(gathered, obj)
+    return gathered

@@ -221,7 +221,7 @@ class WeightSync(Callback):
                 "ranks that did not push call, or set "
                 "shared_across_ranks=False so that each rank pushes to its own receiver.",
             )
-            self._shared = SharedPush(trainer.strategy, trainer.global_rank)
+            self._shared = SharedPush.from_trainer(trainer)
         policy = getattr(pl_module, "policy", None)
         self._adapters = getattr(self._receiver, "takes_lora_adapters", False) is True and has_lora_layers(policy)
         if self._adapters:

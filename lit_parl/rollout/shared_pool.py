@@ -77,6 +77,16 @@ class SharedRolloutPool(RolloutPool):
         """Drive the engines at ``address`` (``None``: those driven now), then return once every live one reports
         ``version`` (pushed by another rank); raise otherwise."""
 
+    # -- what one rank learns of the engines, for the rank that pushes --------------------------------
+    def failed_engines(self) -> list[str]:
+        """The engines this rank's own requests saw fail (``lit_parl.callbacks.shared_push`` gathers every rank's
+        before each push, so that rank 0 drops them); a backend that tells none returns ``[]``."""
+        return []
+
+    def mark_failed(self, engines: list[str]) -> None:
+        """Take ``engines``, which some rank saw fail, as failed here too: the next push drops them (a backend that
+        tells none ignores them)."""
+
     # -- what the trainer calls ------------------------------------------------------------------------
     @final
     def address(self) -> dict:

@@ -18,7 +18,8 @@ from lit_parl.rollout.pool_records import PoolSpec
 
 
 class Collectives:
-    """A strategy's collectives as rank ``rank`` sees them; ``said``: what rank 0 broadcasts to the others."""
+    """A strategy's collectives as rank ``rank`` sees them; ``said``: what rank 0 broadcasts to the others;
+    ``everyone_agrees``: the other ranks' decision in the reduction (taken as ``all`` asks: every rank, or any)."""
 
     def __init__(self, rank: int, said=None, everyone_agrees: bool = True) -> None:
         self.rank, self.said, self.everyone_agrees = rank, said, everyone_agrees
@@ -31,7 +32,7 @@ class Collectives:
 
     def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:
         self.decisions.append(decision)
-        return decision and self.everyone_agrees
+        return (decision and self.everyone_agrees) if all else (decision or self.everyone_agrees)
 
 
 class Receiver:
@@ -93,6 +94,53 @@ def test_a_rank_that_cannot_adopt_stops_every_rank():
         SharedPush(Collectives(rank=1), rank=1).push(Receiver(adopt_fails=True), buckets([]), 3)
     with pytest.raises(RuntimeError, match="another rank could not take version 3"):
         SharedPush(Collectives(rank=0, everyone_agrees=False), rank=0).push(Receiver(), buckets([]), 3)
+
+
+def test_the_rank_that_pushes_is_global_rank_0_not_each_nodes_first():
+    """The first rank of the second node has local rank 0 and global rank 2: it must not push."""
+    pushed = {}
+    for global_rank, local_rank in [(0, 0), (1, 1), (2, 0), (3, 1)]:
+        trainer = SimpleNamespace(
+            strategy=Collectives(rank=global_rank), global_rank=global_rank, local_rank=local_rank
+        )
+        receiver = Receiver()
+        SharedPush.from_trainer(trainer).push(receiver, buckets([]), 3)
+        pushed[global_rank] = receiver.taken != []
+    assert pushed == {0: True, 1: False, 2: False, 3: False}
+
+
+class Engines(Receiver):
+    """A receiver whose engines a rank may see fail; it records what reached it, and when."""
+
+    def __init__(self, failed: list[str]) -> None:
+        super().__init__()
+        self.failed, self.events = failed, []
+
+    def failed_engines(self):
+        return self.failed
+
+    def mark_failed(self, urls):
+        self.events.append(("mark_failed", urls))
+
+    def sync_weights(self, buckets, version):
+        self.events.append(("sync_weights", version))
+        super().sync_weights(buckets, version)
+
+
+def test_a_server_only_another_rank_saw_fail_is_dropped_by_rank_0_before_it_pushes():
+    gathered = []
+
+    def gather(obj):  # rank 0's and rank 1's, as the collective hands them to every rank
+        gathered.append(obj)
+        return [obj, ["http://infer2:30000"]]
+
+    receiver = Engines(failed=[])
+    SharedPush(Collectives(rank=0), rank=0, gather=gather).push(receiver, buckets([]), 3)
+    assert receiver.events == [("mark_failed", ["http://infer2:30000"]), ("sync_weights", 3)]
+    other = Engines(failed=["http://infer2:30000"])
+    SharedPush(Collectives(rank=1, said={"urls": []}), rank=1, gather=gather).push(other, buckets([]), 3)
+    assert gathered == [[], ["http://infer2:30000"]], "each rank must hand what it saw fail to the gather"
+    assert other.events == [], "only rank 0 applies what the ranks saw"
 
 
 class Pool:
