@@ -7,17 +7,21 @@ ARGS   ?=
 
 .PHONY: train test test-slow install clean
 
+# setuptools notes at every editable install that it maps the packages with an import hook (pyproject.toml's
+# package-dir needs one): 10 lines of information only, in the first command a user runs
+QUIET_EDITABLE := PYTHONWARNINGS="ignore:Editable installation"
+
 # what training needs (lit_parl and its dependencies); nothing here compiles
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q "$(TORCH)"          # first, pinned: an unpinned torch pulls a multi-GB CUDA build
-	$(PY) -m pip install -q -e .
+	$(QUIET_EDITABLE) $(PY) -m pip install -q -e .
 	touch $@
 
 # and what the tests need (the dev extra)
 $(VENV)/.installed-dev: $(VENV)/.installed
-	$(PY) -m pip install -q -e ".[dev]"
+	$(QUIET_EDITABLE) $(PY) -m pip install -q -e ".[dev]"
 	touch $@
 
 install: $(VENV)/.installed
