@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import time
 
@@ -23,11 +24,12 @@ from helpers.sglang_pools import save_spec
 from lit_parl.data.prompt_schedule import PromptSchedule
 from lit_parl.episodes import EpisodeError, EpisodeRunner, EpisodeSettings, ObservationTokens, TemplateNotAppendOnly
 from lit_parl.episodes.episode import turn_seed
+from lit_parl.errors import OffPolicyError
 from lit_parl.models import tiny_qwen2
 from lit_parl.prompts.prompt_format import PromptFormat
 from lit_parl.prompts.prompt_row import PromptRow
 from lit_parl.rewards import ScoringPolicy
-from lit_parl.rollout.records import SamplingParams
+from lit_parl.rollout.records import GroupCompletions, SamplingParams
 from lit_parl.tasks import CopyTask
 
 SAMPLING = SamplingParams(max_new_tokens=6, stop_token_ids=DIGIT_STOPS)
@@ -112,11 +114,37 @@ def test_turn_seeds_are_per_version_prompt_sample_and_turn_and_an_episode_replay
     assert turn_seed(11, 0) == 11 and len({turn_seed(11, t) for t in range(4)}) == 4
 
 
+def meeting_at_the_first_step(episodes: int) -> type:
+    """The async game, whose first steps each wait until those of ``episodes`` episodes are under way (later
+    ones pass at once): only steps that run concurrently pass; steps run one after another fail after 10 s,
+    never hang."""
+
+    class MeetsAtTheFirstStep(AsyncTurnTaker):
+        arrived = 0
+        everyone: asyncio.Event | None = None
+
+        async def step(self, text: str):
+            if self.played == 0:  # every step runs on the one event loop: the count needs no lock
+                cls = type(self)
+                cls.everyone = cls.everyone or asyncio.Event()
+                cls.arrived += 1
+                if cls.arrived == episodes:
+                    cls.everyone.set()
+                try:
+                    await asyncio.wait_for(cls.everyone.wait(), timeout=10)
+                except asyncio.TimeoutError:
+                    raise AssertionError(
+                        f"only {cls.arrived} of {episodes} first steps were under way at once"
+                    ) from None
+            return await super().step(text)
+
+    return MeetsAtTheFirstStep
+
+
 def test_async_environments_step_concurrently(pool, tok):
-    start = time.monotonic()
-    _, groups = _play(pool, tok, AsyncTurnTaker, prompts=4, group_size=3)
-    steps = sum(len([r for r, _ in e.turns if r == "assistant"]) for g in groups for e in g.episodes)
-    assert steps >= 20 and time.monotonic() - start < 0.05 * steps / 2, "the 50 ms steps ran one after another"
+    """Proven by a rendezvous, not by a duration: the first steps of 4 episodes, more than one group holds, are
+    under way at the same time (of the 12 episodes, those whose first turn ends by a stop token step)."""
+    _, groups = _play(pool, tok, meeting_at_the_first_step(4), prompts=4, group_size=3)
     _, plain = _play(pool, tok, TurnTaker, prompts=4, group_size=3)
     assert [g.completions for g in sorted(groups, key=lambda g: g.prompt_id)] == [
         g.completions for g in sorted(plain, key=lambda g: g.prompt_id)
@@ -248,3 +276,28 @@ def test_chat_episodes_render_observations_through_the_template(pool, tok):
                 assert text.startswith(closing + "u:++<eos>;a:"), text
                 seen += 1
     assert seen
+
+
+class SwitchesVersionAfterTheFirstTurn:
+    """A stand-in pool whose later turns come back sampled by version 1, as a worker that took newer weights
+    mid-iteration would answer (every turn: "5" and the end token)."""
+
+    def __init__(self, tok) -> None:
+        self.turn, self.answer = 0, [tok.convert_tokens_to_ids("5"), tok.eos_token_id]
+
+    def generate(self, requests, sampling):
+        version, self.turn = min(self.turn, 1), self.turn + 1
+        for r in requests:
+            n = len(r.seeds)
+            yield GroupCompletions(
+                r.prompt_id, version, list(range(n)), [self.answer] * n, [[-1.0, -1.0]] * n, ["stop"] * n
+            )
+
+
+def test_an_episode_whose_turns_two_versions_sampled_is_refused_as_off_policy(tok):
+    """Each turn's version is kept, not only the last: the episode's group is refused, never recorded as version 1."""
+    drawn = PromptSchedule(CopyTask(seed=0), tok, group_size=2).draw([0], version=0)
+    runner = EpisodeRunner(EpisodeSettings(Endless, max_turns=2, max_episode_tokens=16), tok)
+    requests = [d.request for d in drawn.values()]
+    with pytest.raises(OffPolicyError, match=r"the episodes of prompt 0 were sampled by policy versions \{0, 1\}"):
+        list(runner.generate(SwitchesVersionAfterTheFirstTurn(tok), requests, SamplingParams(max_new_tokens=3), drawn))
