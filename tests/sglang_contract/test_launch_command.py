@@ -34,7 +34,13 @@ from sglang_router.launch_router import parse_router_args  # noqa: E402
 
 from lit_parl.rollout.sglang import LaunchSettings, SGLangRolloutPool  # noqa: E402
 from lit_parl.rollout.sglang.adapters import lora_launch_args  # noqa: E402
-from lit_parl.rollout.sglang.servers import Server, router_command, server_command, warn_unseeded  # noqa: E402
+from lit_parl.rollout.sglang.servers import (  # noqa: E402
+    CPU_SERVER,
+    Server,
+    router_command,
+    server_command,
+    warn_unseeded,
+)
 from lit_parl.rollout.sglang.settings import SERVER_DTYPES  # noqa: E402
 from sglang_contract.pool_run import free_port  # noqa: E402
 
@@ -50,7 +56,11 @@ sys.exit(3)
 
 
 def test_the_default_launch_command_is_sglangs_launcher_parsing_its_arguments_with_prepare_server_args():
-    assert SGLangRolloutPool().launch.command == (sys.executable, "-m", "sglang.launch_server")
+    launch = SGLangRolloutPool().launch
+    assert server_command(launch, "m", 1, 1, False, cpu=False)[:3] == [sys.executable, "-m", "sglang.launch_server"]
+    # on the CPU, the same launcher run by lit_parl's entry point (which mends the environment first)
+    assert server_command(launch, "m", 1, 1, False, cpu=True)[:2] == [sys.executable, str(CPU_SERVER)]
+    assert 'runpy.run_module("sglang.launch_server", run_name="__main__"' in CPU_SERVER.read_text()
     assert "prepare_server_args(sys.argv[1:])" in inspect.getsource(sglang.launch_server)
 
 

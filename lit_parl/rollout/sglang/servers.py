@@ -1,13 +1,15 @@
 """The SGLang servers (and router) a pool drives: launching or attaching them, their health, stopping them.
 
 A launched server is ``launch_command --model-path ... --port ...`` in a session of its own, logging to
-the pool's work directory, and dies with the trainer (``PR_SET_PDEATHSIG``). An attached server is
+the pool's work directory, and dies with the trainer (``PR_SET_PDEATHSIG``). On a machine without a GPU it
+is SGLang's CPU platform (``cpu_server``, with ``CPU_ARGS``). An attached server is
 only a URL: it is used, health-checked and dropped when down, but never stopped. ``stop_launched``
 stops exactly what was launched, with each process group.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import shutil
 import signal
@@ -20,6 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from lit_parl.errors import PoolStartError
 from lit_parl.rollout.processes import die_with_parent
 from lit_parl.rollout.sglang.client import RETRYABLE, HTTPClient, RouteNotFound
 
@@ -67,6 +70,49 @@ def check_server_env(env: dict[str, str]) -> None:
         )
 
 
+# SGLang's CPU platform: its PyTorch attention and sampling (the others are GPU kernels), no CUDA graphs, no
+# warm-up request, float32 (the CPU trainer's precision), a KV cache and batch sized for a CPU, and a scheduler
+# that sleeps when idle (it would otherwise spin about 65% of a core)
+CPU_ARGS = {
+    "--device": "cpu",
+    "--attention-backend": "torch_native",
+    "--sampling-backend": "pytorch",
+    "--disable-cuda-graph": None,
+    "--skip-server-warmup": None,
+    "--dtype": "float32",
+    "--max-total-tokens": "16384",
+    "--max-running-requests": "64",
+    "--mem-fraction-static": "0.05",
+    "--sleep-on-idle": None,
+}
+CPU_SERVER = Path(__file__).with_name("cpu_server.py")  # run by path: see its docstring
+
+
+def launches_on_cpu(launch: LaunchSettings) -> bool:
+    """Whether launched servers run on SGLang's CPU platform (``cpu_server`` and ``CPU_ARGS``): ``device=cpu``, or
+    ``auto`` with the default command where torch sees no GPU (a command of one's own brings its own flags)."""
+    if launch.device == "auto":
+        import torch
+
+        return launch.command is None and not torch.cuda.is_available()
+    return launch.device == "cpu"
+
+
+def launch_command(launch: LaunchSettings, cpu: bool) -> list[str]:
+    """What runs a server, before its arguments: ``launch.command``, else SGLang's launcher with this Python (on
+    the CPU through ``cpu_server``). Raises, naming the fix, where that launcher cannot run."""
+    if launch.command is not None:
+        return list(launch.command)
+    if importlib.util.find_spec("sglang") is None:
+        raise ImportError(
+            f"pool=sglang launches SGLang servers with {sys.executable}, where sglang is not installed: on a CPU "
+            "machine build the pinned environment with `make .venv-sglang/.installed` and run with "
+            ".venv-sglang/bin/python (on a GPU: pip install sglang), or attach to running servers with "
+            "pool.servers.urls"
+        )
+    return [sys.executable, str(CPU_SERVER)] if cpu else [sys.executable, "-m", "sglang.launch_server"]
+
+
 def server_command(
     launch: LaunchSettings,
     model_path: str,
@@ -74,23 +120,40 @@ def server_command(
     tp_size: int,
     deterministic_inference: bool,
     extra: Sequence[str] = (),
+    cpu: bool = False,
 ) -> list[str]:
     """``sglang.launch_server``'s command line for the server at ``port`` (``extra``: the pool's own flags, such as
     ``adapters.lora_launch_args``; the user's ``launch.args`` come last).
 
     Prompts and completions are token ids, but the server loads the model directory's tokenizer: SGLang
     matches stop strings in decoded text and refuses them under ``--skip-tokenizer-init``. SGLang honours a
-    request's ``sampling_seed`` only under ``--enable-deterministic-inference``.
+    request's ``sampling_seed`` only under ``--enable-deterministic-inference``, which it refuses on the CPU
+    (``deterministic_on_cpu_warning``). ``cpu``: ``CPU_ARGS`` (``launch.dtype`` is the GPU's; ``launch.args``
+    override any of them), ``launch.mem_fraction_static`` if set.
     """
-    command = [*launch.command, "--model-path", model_path, "--host", launch.host, "--port", str(port)]
+    command = [*launch_command(launch, cpu), "--model-path", model_path, "--host", launch.host, "--port", str(port)]
     command += ["--tp-size", str(tp_size)]
     if launch.mem_fraction_static is not None:
         command += ["--mem-fraction-static", str(launch.mem_fraction_static)]
-    if launch.dtype is not None and "--dtype" not in launch.args:
+    if cpu:
+        for flag, value in CPU_ARGS.items():
+            if flag not in launch.args and flag not in command:
+                command += [flag] if value is None else [flag, value]
+    elif launch.dtype is not None and "--dtype" not in launch.args:
         command += ["--dtype", launch.dtype]
-    if deterministic_inference and "--enable-deterministic-inference" not in launch.args:
+    if deterministic_inference and not cpu and "--enable-deterministic-inference" not in launch.args:
         command.append("--enable-deterministic-inference")
     return command + list(extra) + list(launch.args)
+
+
+def warn_unseeded_on_cpu() -> None:
+    warnings.warn(
+        "SGLang servers on the CPU cannot honour each sample's sampling_seed: SGLang allows "
+        "--enable-deterministic-inference only with GPU attention backends (sglang/srt/arg_groups/overrides.py), "
+        "and the CPU's is torch_native. A retried sample, or an iteration regenerated after a resume, is drawn anew "
+        "(still on-policy, not the same). Set pool.servers.deterministic_inference=false to accept this.",
+        stacklevel=3,
+    )
 
 
 def router_command(urls: list[str], host: str, port: int, router_args: Sequence[str]) -> list[str]:
@@ -165,7 +228,7 @@ class ServerFleet:
         last = "no answer"
         while time.monotonic() < deadline:
             if server.process is not None and server.process.poll() is not None:
-                raise RuntimeError(
+                raise PoolStartError(
                     f"SGLang server {server.url} exited with code {server.process.returncode} while starting. "
                     f"Last lines of {server.log_path}:\n{log_tail(server.log_path)}"
                 )
@@ -175,10 +238,10 @@ class ServerFleet:
             except RETRYABLE as error:
                 last = f"{type(error).__name__}: {error}"
             time.sleep(0.5)
-        launched = ""
+        launched = " Check pool.servers.urls, and that the server runs."
         if server.process is not None:
             launched = f" Last lines of {server.log_path}:\n{log_tail(server.log_path)}"
-        raise RuntimeError(
+        raise PoolStartError(
             f"SGLang server {server.url} is not healthy after {timeout_s:.0f} s (GET /health: {last}).{launched}"
         )
 
@@ -266,8 +329,31 @@ def log_tail(path: Path | None, lines: int = 20) -> str:
     return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
 
 
+def _session_of(pid: str) -> int | None:
+    try:
+        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[3])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def sglang_shm_files(sessions: Sequence[int]) -> set[Path]:
+    """The ``/dev/shm/sglang_*`` files that the processes of ``sessions`` hold open or mapped: SGLang's load
+    snapshots (``sglang/srt/managers/load_snapshot.py``), which a server stopped by SIGTERM leaves behind."""
+    found: set[Path] = set()
+    for pid in (p for p in os.listdir("/proc") if p.isdigit() and _session_of(p) in sessions):
+        try:
+            names = [os.readlink(f"/proc/{pid}/fd/{fd}") for fd in os.listdir(f"/proc/{pid}/fd")]
+            names += [line.split(maxsplit=5)[-1] for line in Path(f"/proc/{pid}/maps").read_text().splitlines()]
+        except OSError:  # gone meanwhile, or not ours to read
+            continue
+        found.update(Path(name) for name in names if name.startswith("/dev/shm/sglang_"))
+    return found
+
+
 def stop_launched(processes: list[subprocess.Popen], workdir: str | None) -> None:
-    """SIGTERM each launched process group, SIGKILL what is left after 15 s, then remove the work dir."""
+    """SIGTERM each launched process group, SIGKILL what is left after 15 s, then remove the work dir and the
+    shared-memory files the servers held (``sglang_shm_files``)."""
+    leftovers = sglang_shm_files([p.pid for p in processes if p.poll() is None]) if os.path.isdir("/proc") else set()
     for process in processes:
         if process.poll() is None:
             try:
@@ -287,5 +373,7 @@ def stop_launched(processes: list[subprocess.Popen], workdir: str | None) -> Non
             pass
         if process.poll() is None:
             process.wait(timeout=5.0)
+    for path in leftovers:
+        path.unlink(missing_ok=True)
     if workdir:
         shutil.rmtree(workdir, ignore_errors=True)

@@ -13,12 +13,12 @@
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 from lit_parl.rollout.adapter_pool import check_adapter_mode
 
+LAUNCH_DEVICES = ("auto", "cuda", "cpu")  # lit_parl.rollout.sglang.servers.launches_on_cpu
 SERVER_DTYPES = ("auto", "half", "float16", "bfloat16", "float", "float32")  # sglang.launch_server --dtype
 SYNC_METHODS = ("tensor", "distributed", "disk")  # lit_parl.rollout.sglang.weights
 
@@ -79,13 +79,16 @@ class LaunchSettings:
             out ``ServerSettings.tp_size`` at a time, exactly ``num_servers * tp_size`` ids; an integer is a GPU as
             the trainer numbers them (``lit_parl.rollout.gpu_placement``, as the vLLM pool reads them). ``None``:
             SGLang's default placement. A ``tensor`` sync needs the trainer's GPU visible to the server.
-        dtype: the servers' ``--dtype``: ``bfloat16``, the trainer's compute precision under ``bf16-mixed``.
+        device: where launched servers run: ``cuda``, ``cpu`` (SGLang's CPU platform, through
+            ``lit_parl.rollout.sglang.cpu_server`` with ``servers.CPU_ARGS``: float32, PyTorch attention) or
+            ``auto``: the CPU where torch sees no GPU.
+        dtype: on a GPU, the servers' ``--dtype``: ``bfloat16``, the trainer's compute precision under ``bf16-mixed``.
             SGLang's own default, ``auto``, serves a float32 checkpoint (the trainer saves one) in float16.
             ``None``: no flag.
         mem_fraction_static: SGLang's ``--mem-fraction-static`` (lower it when the trainer shares the GPU).
         args: more ``sglang.launch_server`` arguments, e.g. ``["--attention-backend", "fa3"]``.
         command: what runs a server, before its arguments; ``None``: ``python -m sglang.launch_server`` with
-            this Python (the tests use a stand-in).
+            this Python (on the CPU, ``python .../cpu_server.py``; the tests use a stand-in).
         start_timeout_s: how long a launched server, or the router, may take to answer ``/health``.
     """
 
@@ -94,6 +97,7 @@ class LaunchSettings:
     host: str = "127.0.0.1"
     port: int = 30000
     gpu_ids: tuple | None = None
+    device: str = "auto"
     dtype: str | None = "bfloat16"
     mem_fraction_static: float | None = None
     args: tuple[str, ...] = ()
@@ -103,12 +107,13 @@ class LaunchSettings:
     def __post_init__(self) -> None:
         if self.num_servers < 1:
             raise ValueError(f"LaunchSettings(num_servers={self.num_servers}): at least one server is needed")
+        if self.device not in LAUNCH_DEVICES:
+            raise ValueError(f"LaunchSettings(device={self.device!r}): choose one of {LAUNCH_DEVICES}")
         if self.dtype is not None and self.dtype not in SERVER_DTYPES:
             raise ValueError(f"LaunchSettings(dtype={self.dtype!r}): SGLang serves one of {SERVER_DTYPES}")
         object.__setattr__(self, "gpu_ids", _frozen(self.gpu_ids))
         object.__setattr__(self, "args", _frozen(self.args))
-        command = _frozen(self.command) if self.command else (sys.executable, "-m", "sglang.launch_server")
-        object.__setattr__(self, "command", command)
+        object.__setattr__(self, "command", _frozen(self.command) if self.command else None)
 
 
 @dataclass(frozen=True)

@@ -20,7 +20,7 @@ from pathlib import Path
 from lit_parl.rollout.adapter_pool import AdapterPool
 from lit_parl.rollout.gpu_placement import split_gpu_ids, visible_devices
 from lit_parl.rollout.records import GroupCompletions, GroupRequest, SamplingParams
-from lit_parl.rollout.rollout_pool import PoolSpec, WeightBucket
+from lit_parl.rollout.rollout_pool import FP32_LOGPROB_TOLERANCE, PoolSpec, WeightBucket
 from lit_parl.rollout.sglang.adapters import AdapterLoader, lora_launch_args
 from lit_parl.rollout.sglang.client import HTTPClient
 from lit_parl.rollout.sglang.generation import stream_groups
@@ -30,11 +30,13 @@ from lit_parl.rollout.sglang.servers import (
     ServerFleet,
     answers_health,
     check_server_env,
+    launches_on_cpu,
     reachable_url,
     router_command,
     server_command,
     stop_launched,
     warn_unseeded,
+    warn_unseeded_on_cpu,
 )
 from lit_parl.rollout.sglang.settings import (
     LaunchSettings,
@@ -189,10 +191,13 @@ class SGLangRolloutPool(SharedRolloutPool, AdapterPool):
         visible = None
         if self._gpus:
             visible = visible_devices(self._gpus, os.environ.get("CUDA_VISIBLE_DEVICES"), "SGLangRolloutPool")
+        cpu, seeded = launches_on_cpu(launch), self.servers.deterministic_inference
+        if cpu and seeded:
+            warn_unseeded_on_cpu()
         for index in range(launch.num_servers):
             port = launch.port + index
             extra = lora_launch_args(self.sync.max_lora_rank) if self.takes_lora_adapters else []
-            command = server_command(launch, model_path, port, tp_size, self.servers.deterministic_inference, extra)
+            command = server_command(launch, model_path, port, tp_size, seeded, extra, cpu)
             env = dict(os.environ)
             if self._gpus is not None:
                 env["CUDA_VISIBLE_DEVICES"] = visible[index]
@@ -223,6 +228,11 @@ class SGLangRolloutPool(SharedRolloutPool, AdapterPool):
         ends = Ends.of(sampling, self._eos_id, decode)
         payload = functools.partial(sample_payload, sampling=sampling, eos_id=self._eos_id, adapter=self._adapter)
         yield from stream_groups(self._client, self._fleet, requests, payload, ends, self.requests)
+
+    def logprob_tolerance(self) -> float | None:
+        # launched on the CPU, the servers compute in float32, as a CPU trainer does (servers.CPU_ARGS)
+        cpu = self.servers.urls is None and launches_on_cpu(self.launch) and "--dtype" not in self.launch.args
+        return FP32_LOGPROB_TOLERANCE if cpu else super().logprob_tolerance()
 
     def _worker_counts(self) -> tuple[int, int]:
         fleet = self._fleet
