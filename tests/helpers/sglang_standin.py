@@ -40,13 +40,14 @@ tensor-parallel rank (``--tp-size``), each rank its own; ``--dtype`` sets the se
 Laxer than SGLang, known: a pause does not abort the request running (its default ``abort`` mode
 does); with ``n`` > 1 sample ``k`` uses ``sampling_seed + k`` (the pool sends one request per sample).
 
-Faults for the tests: ``--die-after-generates N`` exits abruptly while answering the (N+1)-th
-``/generate`` (of weight version V only, with ``--die-at-version V``); ``--malformed`` drops ``meta_info``
-from answers; ``--stale-version`` accepts updates but keeps its weight version; ``--exit-at-start`` exits
-with code 3 before serving; ``--refuse-distributed-updates`` answers ``/update_weights_from_distributed``
-with a 400 without joining the broadcast. ``--journal FILE`` appends a JSON line per weight load (its version
-and tensors) and per sample (the version it was drawn with, its prompt and seed): what tests count across
-servers and clients.
+Faults for the tests: ``--die-after-generates N`` exits abruptly while answering the (N+1)-th ``/generate`` (of
+weight version V only, with ``--die-at-version V``); ``--die-at ROUTE:N`` exits abruptly on receiving the N-th
+request to ROUTE (``/pause_generation:2``: a server that dies at the second push); ``--malformed`` drops
+``meta_info`` from answers; ``--stale-version`` accepts updates but keeps its weight version; ``--exit-at-start``
+exits with code 3 before serving; ``--refuse-distributed-updates`` answers ``/update_weights_from_distributed``
+with a 400 without joining the broadcast. ``--journal FILE`` appends a JSON line per weight load (its version and
+tensors) and per sample (the version it was drawn with, its prompt and seed): what tests count across servers and
+clients.
 """
 
 from __future__ import annotations
@@ -413,6 +414,22 @@ async def refuse_what_sglang_refuses(request: web.Request, handler):
     return await handler(request)
 
 
+def die_at(route: str, count: int):
+    """A middleware that exits the process, unanswered, on the ``count``-th request to ``route``."""
+    seen = 0
+
+    @web.middleware
+    async def middleware(request: web.Request, handler):
+        nonlocal seen
+        if request.path == route:
+            seen += 1
+            if seen == count:
+                os._exit(1)  # the client sees the connection drop
+        return await handler(request)
+
+    return middleware
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--model-path", required=True)
@@ -430,6 +447,7 @@ def main() -> None:
     parser.add_argument("--max-loaded-loras", type=int, default=None)
     parser.add_argument("--die-after-generates", type=int, default=None)
     parser.add_argument("--die-at-version", default=None, help="count only /generate calls at this weight version")
+    parser.add_argument("--die-at", default=None, help="ROUTE:N, exit on the N-th request to ROUTE")
     parser.add_argument("--malformed", action="store_true")
     parser.add_argument("--stale-version", action="store_true")
     parser.add_argument("--exit-at-start", action="store_true")
@@ -446,7 +464,11 @@ def main() -> None:
         print("stand-in: exiting at start as asked", flush=True)
         sys.exit(3)
     server = StandIn(args)
-    app = web.Application(client_max_size=1 << 30, middlewares=[refuse_what_sglang_refuses])
+    middlewares = [refuse_what_sglang_refuses]
+    if args.die_at:
+        route, count = args.die_at.rsplit(":", 1)
+        middlewares.insert(0, die_at(route, int(count)))
+    app = web.Application(client_max_size=1 << 30, middlewares=middlewares)
     app.router.add_get("/health", server.health)
     app.router.add_get("/health_generate", server.health)
     app.router.add_post("/generate", server.generate)

@@ -13,6 +13,7 @@ import logging
 import os
 import socket
 import tempfile
+import warnings
 import weakref
 from collections.abc import Iterable, Iterator
 from pathlib import Path
@@ -22,11 +23,12 @@ from lit_parl.rollout.gpu_placement import split_gpu_ids, visible_devices
 from lit_parl.rollout.records import GroupCompletions, GroupRequest, SamplingParams
 from lit_parl.rollout.rollout_pool import FP32_LOGPROB_TOLERANCE, PoolSpec, WeightBucket
 from lit_parl.rollout.sglang.adapters import AdapterLoader, lora_launch_args
-from lit_parl.rollout.sglang.client import HTTPClient
+from lit_parl.rollout.sglang.client import RETRYABLE, HTTPClient
 from lit_parl.rollout.sglang.generation import stream_groups
 from lit_parl.rollout.sglang.membership import Membership, why_fixed
 from lit_parl.rollout.sglang.messages import Ends, sample_payload
 from lit_parl.rollout.sglang.servers import (
+    Server,
     ServerFleet,
     answers_health,
     check_server_env,
@@ -143,6 +145,7 @@ class SGLangRolloutPool(SharedRolloutPool, AdapterPool):
         self._client = HTTPClient(self.requests.timeout_s)
         sync_dir = self.sync.dir or Path(workdir) / "sync"
         self._weights = WeightUpdater(self._client, spec.model_dir, sync_dir, self.servers.tp_size, self.sync)
+        self._weights.lose = self._lose_in_push
         self._adapters, self._adapter = AdapterLoader(self._weights, self.sync.max_lora_rank), None
         return fleet
 
@@ -176,6 +179,44 @@ class SGLangRolloutPool(SharedRolloutPool, AdapterPool):
     def remove_server(self, url: str) -> None:
         """``url`` leaves at the next push: no request of the next iteration goes to it; stopped if launched here."""
         self.membership.remove(url)
+
+    def failed_engines(self) -> list[str]:
+        """The servers this pool's requests saw fail (and not dropped yet), as the other ranks name them."""
+        here = socket.getfqdn()
+        return [reachable_url(s.url, here) for s in self._fleet.servers if not s.alive] if self._fleet else []
+
+    def mark_failed(self, engines: list[str]) -> None:
+        """Servers another rank saw fail are down here too: this push leaves them out, as this rank's own failures."""
+        here = socket.getfqdn()
+        for server in self._fleet.servers if self._fleet else []:
+            if server.alive and reachable_url(server.url, here) in engines:
+                server.alive = False
+                warnings.warn(
+                    f"SGLang server {server.url} failed another rank's requests: it leaves the pool at this push",
+                    RuntimeWarning,
+                    stacklevel=2,
+                )
+
+    async def _lose_in_push(self, server: Server, error: BaseException) -> bool:
+        """Whether ``server``, which failed a call of the push with ``error``, is down: it then leaves this push, which
+        goes on with the others (the next push drops it, as one that fails a request). Not under the ``distributed``
+        sync: its group cannot lose a member."""
+        if self.sync.method == "distributed":
+            return False
+        if server.process is None or server.process.poll() is None:
+            try:
+                await self._client.get(server.url, "/health", timeout=5.0)
+                return False  # up, and it refused: the push's own error
+            except RETRYABLE:
+                pass
+        server.alive = False
+        warnings.warn(
+            f"SGLang server {server.url} failed during the weight push ({type(error).__name__}: {error}) and is down: "
+            "the push and the run go on with the other servers",
+            RuntimeWarning,
+            stacklevel=2,
+        )
+        return True
 
     def _change_membership(self, version: int) -> None:
         fleet, client, distributed = self._fleet, self._client, self.sync.method == "distributed"

@@ -32,7 +32,7 @@ from pathlib import Path
 import torch
 
 from lit_parl.rollout.rollout_pool import WeightBucket
-from lit_parl.rollout.sglang.client import HTTPClient, RouteNotFound
+from lit_parl.rollout.sglang.client import RETRYABLE, HTTPClient, RouteNotFound
 from lit_parl.rollout.sglang.servers import Server
 from lit_parl.rollout.sglang.settings import SYNC_METHODS, SyncSettings
 from lit_parl.rollout.weight_transfer import (
@@ -42,6 +42,8 @@ from lit_parl.rollout.weight_transfer import (
     save_shard,
     serialize_named_tensors,
 )
+
+LOST = object()  # what `_guarded` returns for a server that went down during the push and left it
 
 
 class WeightUpdater:
@@ -67,6 +69,9 @@ class WeightUpdater:
         self.group_name = settings.group_name
         self.group = None  # the weight-update process group, once the distributed method built it
         self.abandoned = False  # a refused update left a broadcast pending in the group
+        # set by the pool: `await lose(server, error)` is True when `server`, which failed a call of the push, is down
+        # and leaves the push (the rest goes on without it); None: every failure fails the push
+        self.lose = None
 
     def sync(
         self, method: str, servers: list[Server], everyone: list[Server], buckets: Iterable[WeightBucket], version: int
@@ -197,9 +202,10 @@ class WeightUpdater:
     async def _open_sessions(self, servers: list[Server]) -> list[Server]:
         """Open a weight-update session on each server that has them; return those. If one fails, the ones
         opened are closed before the error is raised."""
-        results = await asyncio.gather(*(self._begin(s) for s in servers), return_exceptions=True)
+        results = await asyncio.gather(*(self._guarded(self._begin, s) for s in servers), return_exceptions=True)
         opened = [s for s, result in zip(servers, results) if result is True]
         failed = [result for result in results if isinstance(result, BaseException)]
+        self._leave(servers, results)
         if failed:
             await self._close_quietly(opened)
             raise failed[0]
@@ -264,9 +270,33 @@ class WeightUpdater:
         if not isinstance(answer, dict) or not answer.get("success", False):
             raise RuntimeError(f"{server.url}{path} failed: {answer}")
 
+    async def _each(self, servers: list[Server], call) -> list:
+        """``call`` on every server at once; those that fail it and are down (``lose``) leave ``servers``, in place,
+        so the rest of the push skips them. Returns the others' answers, in their order."""
+        results = await asyncio.gather(*(self._guarded(call, s) for s in servers))
+        self._leave(servers, results)
+        return [result for result in results if result is not LOST]
+
     @staticmethod
-    async def _each(servers: list[Server], call) -> list:
-        return await asyncio.gather(*(call(s) for s in servers))
+    def _leave(servers: list[Server], results: list) -> None:
+        """Take the servers whose result is ``LOST`` out of ``servers``, in place; raise if none is left."""
+        lost = [s.url for s, result in zip(servers, results) if result is LOST]
+        if lost:
+            servers[:] = [s for s, result in zip(servers, results) if result is not LOST]
+            if not servers:
+                raise RuntimeError(
+                    f"SGLang server(s) {lost} failed during the weight push and are down: no live server is left. "
+                    "Start servers, list them (pool.servers.urls) and resume from the last checkpoint"
+                )
+
+    async def _guarded(self, call, server: Server):
+        """``call(server)``, or ``LOST`` when it failed as a server that went down fails and ``lose`` dropped it."""
+        try:
+            return await call(server)
+        except RETRYABLE as error:
+            if self.lose is None or not await self.lose(server, error):
+                raise
+            return LOST
 
     def close(self, servers: list[Server]) -> None:
         """Leave the weight-update group: the live ``servers`` destroy their side first (an attached server
