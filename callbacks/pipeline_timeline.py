@@ -23,9 +23,19 @@ def _union_length(intervals: list[tuple[float, float]]) -> float:
     return total
 
 
-def overlap_efficiency(gen_busy: float, train_busy: float, wall: float) -> float:
+def overlap_efficiency(gen: list[tuple[float, float]], train: list[tuple[float, float]]) -> float:
+    """The share of the shorter side's busy time during which the other side was busy too, in [0, 1].
+
+    From the intervals themselves, not from the iteration's wall time: time when neither side ran (Lightning's
+    epoch end after an early push, a loaded machine's scheduling gaps) is not overlap, and counted against it
+    through the wall, it pushed the value below 0.
+    """
+    gen_busy, train_busy = _union_length(gen), _union_length(train)
     shorter = min(gen_busy, train_busy)
-    return (gen_busy + train_busy - wall) / shorter if shorter > 0 else 0.0
+    if shorter <= 0:
+        return 0.0
+    both = gen_busy + train_busy - _union_length([*gen, *train])
+    return min(1.0, max(0.0, both / shorter))  # the clamp only absorbs the sums' rounding
 
 
 class PipelineTimeline(Callback):
@@ -33,11 +43,12 @@ class PipelineTimeline(Callback):
 
     After each iteration's last batch it logs the overlap efficiency
 
-        (gen_busy + train_busy - iteration_wall) / min(gen_busy, train_busy)
+        time generating and training at once / min(gen_busy, train_busy)
 
     which is 1.0 when the shorter side is fully hidden behind the longer one and 0.0 when the two took
-    turns. ``iteration_wall`` runs from the iteration's first request to its last training step; the weight
-    sync before it is drawn but not counted. Each iteration's intervals (in seconds since training started)
+    turns, whatever the time when neither ran (``overlap_efficiency``). ``wall_s``, from the iteration's first
+    request to its last training step, is recorded beside it; the weight sync before it is drawn but not
+    counted. Each iteration's intervals (in seconds since training started)
     are appended to ``timeline.jsonl`` as it ends (one JSON object per line; ``load_timeline`` reads it), and
     only the last ``window`` stay in memory, so a run of any length holds the same. At the end of fit it
     draws those into ``timeline.png``, a Gantt chart. An iteration that a stop (``max_time``) cuts short is
@@ -173,7 +184,7 @@ class PipelineTimeline(Callback):
         gen_busy, train_busy = _union_length(gen), _union_length(train)
         # the iteration's window: from its requests to its last training step (the weight sync before it is apart)
         wall = (train[-1][1] if train else end) - record.requested_at
-        efficiency = overlap_efficiency(gen_busy, train_busy, wall)
+        efficiency = overlap_efficiency(gen, train)
         o = self._origin - self._offset
         entry = {
             "iteration": self.count,

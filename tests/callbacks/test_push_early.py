@@ -7,11 +7,13 @@ from __future__ import annotations
 import csv
 import threading
 import time
+from types import SimpleNamespace
 
 import lightning
 import pytest
 import torch
 from lightning.pytorch import Callback
+from lightning.pytorch.demos.boring_classes import BoringDataModule, BoringModel
 from lightning.pytorch.loggers import CSVLogger
 
 from helpers.components import BatchRecorder, fit, make_components, policy_state, sgd
@@ -236,3 +238,59 @@ def test_run_summary_and_timeline_log_after_the_next_iterations_push(tmp_path, m
     rows = list(csv.DictReader((tmp_path / "lightning_logs" / "version_0" / "metrics.csv").open()))
     values = [row["overlap_efficiency"] for row in rows if row.get("overlap_efficiency")]
     assert len(values) == 3 and all(0.0 <= float(v) <= 1.0 for v in values)
+
+
+class EarlyPushedIterations(BoringModel):
+    """Each epoch's record as a slow machine makes it with the push at the previous epoch's end: the requests
+    left 1 s before the first training step (that epoch end's hooks ran long), the pool generated 50 ms then
+    and 50 ms during the one 200 ms step; no interval of the trainer's covers the time in between."""
+
+    train_intervals = []
+
+    def on_train_epoch_start(self):
+        now = time.monotonic()
+        self.train_intervals = [(now, now + 0.2)]
+        self.trainer.datamodule.history.append(
+            SimpleNamespace(
+                version=self.current_epoch,
+                requested_at=now - 1.0,
+                completed_at=now + 0.2,
+                completions=8,
+                completion_tokens=80,
+                reward_sum=4.0,
+                reward_mean=0.5,
+                prompts_drawn=2,
+                dropped_groups=0,
+                gen_intervals=[(now - 1.0, now - 0.95), (now + 0.05, now + 0.1)],
+                gen_busy_s=0.1,
+            )
+        )
+
+
+def test_the_overlap_efficiency_counts_only_time_both_sides_ran_not_the_idle_time_of_a_slow_machine(tmp_path):
+    """Half of the pool's 100 ms ran beside a training step: 0.5, where the iteration's wall (1.2 s, mostly
+    neither side running) made it (0.1 + 0.2 - 1.2) / 0.1 = -9, below the metric's [0, 1]."""
+
+    class Data(BoringDataModule):
+        history = []
+
+    timeline = PipelineTimeline(dirpath=str(tmp_path))
+    trainer = lightning.Trainer(
+        accelerator="cpu",
+        max_epochs=2,
+        limit_train_batches=2,
+        limit_val_batches=0,
+        logger=CSVLogger(tmp_path),
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[timeline],
+    )
+    trainer.fit(EarlyPushedIterations(), datamodule=Data())
+    for iteration in timeline.iterations:
+        assert iteration["wall_s"] == pytest.approx(1.2, abs=1e-6)
+        assert iteration["overlap_efficiency"] == pytest.approx(0.5, abs=1e-6)
+    rows = list(csv.DictReader((tmp_path / "lightning_logs" / "version_0" / "metrics.csv").open()))
+    assert [float(row["overlap_efficiency"]) for row in rows if row.get("overlap_efficiency")] == pytest.approx(
+        [0.5] * 2
+    )

@@ -399,8 +399,9 @@ def test_timeline_shows_overlap_inside_iterations_and_none_across(tmp_path):
     from lit_parl.callbacks import PipelineTimeline, load_timeline
     from lit_parl.callbacks.pipeline_timeline import _union_length, overlap_efficiency
 
-    assert overlap_efficiency(gen_busy=1.0, train_busy=2.0, wall=2.0) == 1.0  # generation fully hidden
-    assert overlap_efficiency(gen_busy=1.0, train_busy=2.0, wall=3.0) == 0.0  # took turns
+    assert overlap_efficiency([(0.5, 1.5)], [(0.0, 2.0)]) == 1.0  # generation fully hidden
+    assert overlap_efficiency([(0.0, 1.0)], [(1.0, 3.0)]) == 0.0  # took turns
+    assert overlap_efficiency([(0.0, 1.0)], [(5.0, 6.0), (6.5, 7.0)]) == 0.0  # took turns, idle in between
     assert _union_length([(0.0, 2.0), (1.0, 3.0), (5.0, 6.0)]) == 4.0
 
     timeline = PipelineTimeline(dirpath=str(tmp_path))
