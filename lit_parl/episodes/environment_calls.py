@@ -57,7 +57,7 @@ class EnvironmentCalls:
         try:
             value = future.result(None if deadline == float("inf") else max(0.0, deadline - time.monotonic()))
         except FutureTimeout:
-            future.cancel()
+            future.cancel()  # an async call's task stops; a running thread's cannot (it ends on its own)
             raise EnvironmentFailure(f"timed out after {self.timeout_s} s") from None
         except Exception as error:  # noqa: BLE001
             detail = "".join(traceback.format_exception(error))
@@ -71,7 +71,13 @@ class EnvironmentCalls:
 
 
 def _run(future: Future, method, args) -> None:
+    # Running, the future can no longer be cancelled: a call past its deadline (``result`` gives it up) that
+    # returns later then sets a result nobody reads, where setting it on a cancelled future raised in this thread.
+    if not future.set_running_or_notify_cancel():
+        return
     try:
-        future.set_result(method(*args))
+        value = method(*args)
     except Exception as error:  # noqa: BLE001 - judged by the scoring policy where the result is read
         future.set_exception(error)
+    else:
+        future.set_result(value)
