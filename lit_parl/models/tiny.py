@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from transformers import AutoModelForCausalLM, PreTrainedModel, PreTrainedTokenizerBase, Qwen2Config
 
-from lit_parl.models.char_tokenizer import build_char_tokenizer
+from lit_parl.models.char_tokenizer import VOCABULARIES, build_char_tokenizer
 
 
 def tiny_qwen2(
@@ -16,9 +16,14 @@ def tiny_qwen2(
     intermediate_size: int = 256,
     max_position_embeddings: int = 512,
     seed: int = 0,
+    vocabulary: str = "basic",
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
-    """A random-init Qwen2 with the project's character tokenizer (no download)."""
-    tokenizer = build_char_tokenizer()
+    """A random-init Qwen2 with the project's character tokenizer (no download). ``vocabulary``: ``basic``
+    (digits, lowercase letters, the digit tasks' signs) or ``ascii`` (every printable ASCII character, for
+    text prompts; the ids of ``basic``'s characters kept, the model's random weights not)."""
+    if vocabulary not in VOCABULARIES:
+        raise ValueError(f"tiny_qwen2(vocabulary={vocabulary!r}): choose one of {sorted(VOCABULARIES)}")
+    tokenizer = build_char_tokenizer(VOCABULARIES[vocabulary])
     config = Qwen2Config(
         vocab_size=len(tokenizer),
         hidden_size=hidden_size,

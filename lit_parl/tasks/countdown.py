@@ -30,6 +30,8 @@ from __future__ import annotations
 import ast
 import dataclasses
 import random
+import threading
+import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass
 from fractions import Fraction
@@ -44,6 +46,8 @@ TEMPLATE = (
     "<think> </think> tags, then give the final expression in <answer> </answer> tags, for example "
     "<answer>(1 + 2) / 3</answer>."
 )
+# catch_warnings swaps the process's filters: two threads scoring at once would restore each other's
+_PARSING = threading.Lock()
 MAX_EXPRESSION_CHARS = 300  # a longer expression scores 0 unparsed: the given numbers never need more
 _OPERATORS = {
     ast.Add: Fraction.__add__,
@@ -151,7 +155,9 @@ def _evaluate(expression: str, literals: list[int]) -> Fraction | None:
     if len(expression) > MAX_EXPRESSION_CHARS:
         return None
     try:
-        tree = ast.parse(expression.strip(), mode="eval")
+        with _PARSING, warnings.catch_warnings():  # a model's text such as "2if 3" warns: not worth the console
+            warnings.simplefilter("ignore", SyntaxWarning)
+            tree = ast.parse(expression.strip(), mode="eval")
         return _value(tree.body, literals)
     except (SyntaxError, ValueError, RecursionError, MemoryError, ZeroDivisionError):
         return None

@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import string
+
 import pytest
 from transformers import AutoTokenizer
 
+from lit_parl.models import tiny_qwen2
 from lit_parl.models.char_tokenizer import (
+    ASCII_CHARACTERS,
     CHARACTERS,
     SPECIAL_TOKENS,
     build_char_tokenizer,
@@ -45,3 +49,15 @@ def test_tokenizer_save_pretrained_round_trip(tok, tmp_path):
     )
     assert loaded.pad_token_id != loaded.eos_token_id
     assert len(loaded) == len(tok)
+
+
+def test_the_ascii_vocabulary_holds_every_printable_character_and_keeps_the_basic_ids(tok):
+    """Text prompts (countdown's) reach the model as written; the default's characters keep their ids."""
+    ascii_tok = build_char_tokenizer(ASCII_CHARACTERS)
+    text = string.printable.replace("\t", "").replace("\r", "").replace("\x0b", "").replace("\x0c", "")
+    ids = ascii_tok(text).input_ids
+    assert len(ids) == len(text) and ascii_tok.unk_token_id not in ids and ascii_tok.decode(ids) == text
+    assert ascii_tok(CHARACTERS).input_ids == tok(CHARACTERS).input_ids
+    assert len(tiny_qwen2(hidden_size=8, intermediate_size=8, vocabulary="ascii")[1]) == len(ascii_tok)
+    with pytest.raises(ValueError, match=r"vocabulary='unicode'\): choose one of \['ascii', 'basic'\]"):
+        tiny_qwen2(vocabulary="unicode")
