@@ -61,11 +61,13 @@ $(VLLM_VENV)/.installed: pyproject.toml
 test-vllm: $(VLLM_VENV)/.installed
 	$(VLLM_PY) -m pytest -q tests/vllm_backend $(ARGS)
 
-# The SGLang contract tests (tests/sglang_contract): every request, route and launch flag of the SGLang pool
-# checked against SGLang's own code, in an environment of their own (.venv-sglang). SGLang serves only on a
-# GPU, but its server code imports on the CPU: the sglang wheel and the pure-Python packages it imports are
-# installed with --no-deps from a pinned list (pip's resolution would replace the CPU torch with a CUDA one),
-# after the CPU torch; lit_parl goes in with --no-deps too (its dependencies are in the list).
+# The SGLang tests (tests/sglang_contract): every request, route and launch flag of the SGLang pool checked
+# against SGLang's own code, and the pool driving real SGLang servers launched on this CPU
+# (lit_parl/rollout/sglang/cpu_server.py), in an environment of their own (.venv-sglang). The sglang wheel and
+# the pure-Python packages it imports are installed with --no-deps from a pinned list (pip's resolution would
+# replace the CPU torch with a CUDA one and pull CUDA wheels), after the CPU torch; lit_parl goes in with
+# --no-deps too (its dependencies are in the list). No torchvision: PyPI's is a CUDA build, which breaks
+# transformers' imports beside the CPU torch (cpu_server gives SGLang a placeholder instead).
 SGLANG_VENV := .venv-sglang
 SGLANG_PY   := $(SGLANG_VENV)/bin/python
 SGLANG_REQS := tests/sglang_contract/requirements.txt
@@ -79,6 +81,7 @@ $(SGLANG_VENV)/.installed: pyproject.toml $(SGLANG_REQS)
 	$(SGLANG_PY) -m pip install -q --no-deps -r $(SGLANG_REQS)
 	$(SGLANG_PY) -m pip install -q --no-deps -e .
 	cd tests && ../$(SGLANG_PY) -c "from sglang_contract.sglang_side import import_sglang; import_sglang(); import lit_parl.rollout.sglang, lightning, sglang_router.launch_router"   # a broken environment fails here, not in the tests
+	! $(SGLANG_PY) -m pip list 2>/dev/null | grep -i -E "^(nvidia|torchvision)"   # no CUDA wheel came in
 	touch $@
 
 # LIT_PARL_SGLANG_CONTRACT: without sglang the tests fail instead of skipping (as they do in `make test`)
