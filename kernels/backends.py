@@ -15,12 +15,16 @@ import importlib.util
 
 import torch
 
+from lit_parl.extras import require_installed
+
 BACKENDS = ("sdpa", "flex", "flash", "npu", "dense")
 HALF_PRECISION = (torch.float16, torch.bfloat16)
 # backends whose kernels take float16/bfloat16 only: flash-attn refuses anything else ("FlashAttention only
 # support fp16 and bf16 data type"); npu_fusion_attention is documented for FLOAT16/BFLOAT16 (float32 only in
 # some later torch_npu releases, so it is not relied on)
 HALF_ONLY = {"flash": "flash-attn's flash_attn_varlen_func", "npu": "torch_npu's npu_fusion_attention"}
+# backends whose kernels are extras: (the device they run on, the package, the extra)
+EXTRAS = {"flash": ("cuda", "flash_attn", "flash-attn"), "npu": ("npu", "torch_npu", "torch-npu")}
 
 
 def _device_type(device: torch.device | str) -> str:
@@ -80,6 +84,8 @@ def resolve_backend(requested: str, device: torch.device | str, dtype: torch.dty
                 return name
     if requested not in BACKENDS:
         raise ValueError(f"attention backend {requested!r} is unknown; choose auto or one of {BACKENDS}")
+    if requested in EXTRAS and _device_type(device) == EXTRAS[requested][0]:  # the device, not the package
+        require_installed(*EXTRAS[requested][1:], f"module.attention_backend={requested}")
     if requested not in available:
         needs = {
             "flex": "a CUDA device (flex_attention has no backward on CPU)",

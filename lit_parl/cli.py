@@ -4,32 +4,46 @@ Every config group builds one object through its ``_target_``; ``build(cfg)`` in
 passes the few objects that several others share (the policy, tokenizer, objective, shape and sampling
 parameters), without starting any process, so a bad configuration fails before the pool is launched.
 ``run(cfg)`` fits and returns the run summary.
+
+Importing this module loads Hydra only: ``lit-parl --help`` and a command line Hydra refuses answer without
+loading torch, Lightning and transformers, which ``build`` imports when a job runs.
 """
 
 from __future__ import annotations
 
-import importlib
+import importlib.util
 import logging
 import re
 import signal
+import sys
 import warnings
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import hydra
-import lightning
 from hydra.errors import InstantiationException
 from hydra.utils import instantiate
-from lightning.pytorch.callbacks import ModelCheckpoint
 from omegaconf import DictConfig
 from omegaconf.errors import OmegaConfBaseException
 
-from lit_parl.callbacks import RunSummary
-from lit_parl.data.rollout_datamodule import RolloutDataModule
-from lit_parl.kernels.backends import resolve_backend
-from lit_parl.trainer.grpo_module import GRPOModule
+from lit_parl.errors import PoolStartError
+from lit_parl.extras import MissingExtra, require_installed
+from lit_parl.override_checks import override_error
 
-# loggers whose packages are extras: the import error names the extra to install
-_LOGGER_EXTRAS = {"TensorBoardLogger": "tensorboard", "WandbLogger": "wandb", "MLFlowLogger": "mlflow"}
+if TYPE_CHECKING:
+    import lightning
+
+    from lit_parl.data.rollout_datamodule import RolloutDataModule
+    from lit_parl.trainer.grpo_module import GRPOModule
+
+# the Lightning classes a config group may name whose packages are extras: (the package, the extra, the setting).
+# Checked before Lightning builds them: its own errors are several chained tracebacks deep.
+_TARGET_EXTRAS = {
+    "TensorBoardLogger": ("tensorboard", "tensorboard", "logger=tensorboard"),
+    "WandbLogger": ("wandb", "wandb", "logger=wandb"),
+    "MLFlowLogger": ("mlflow", "mlflow", "logger=mlflow"),
+    "DeepSpeedStrategy": ("deepspeed", "deepspeed", "trainer=deepspeed"),
+}
 
 
 # Messages of the libraries that a user of the default job can do nothing about (each checked on the
@@ -58,17 +72,13 @@ def _quiet_console(run_dir: Path) -> None:
     transformers.utils.logging.disable_progress_bar()  # "Writing model shards" bars for a model of a few MB
 
 
-def _logger(cfg: DictConfig):
-    try:
-        return instantiate(cfg.logger)
-    except Exception as error:
-        extra = _LOGGER_EXTRAS.get(str(cfg.logger.get("_target_", "")).rsplit(".", 1)[-1])
-        missing = isinstance(error, ImportError) or isinstance(error.__cause__, ImportError)  # Hydra wraps the cause
-        if extra is None or not missing:
-            raise
-        raise ImportError(
-            f"logger={extra} needs its package: pip install 'lit-parl[{extra}]' (or use logger=csv)"
-        ) from error
+def _check_extras(cfg: DictConfig) -> None:
+    for group, node in (("logger", cfg.get("logger")), ("trainer", cfg.trainer.get("strategy"))):
+        target = node.get("_target_", "") if isinstance(node, DictConfig) else ""
+        needed = _TARGET_EXTRAS.get(str(target).rsplit(".", 1)[-1])
+        if needed is None or (needed[0] == "tensorboard" and importlib.util.find_spec("tensorboardX")):
+            continue  # TensorBoard's logger writes with tensorboardX as well
+        require_installed(*needed, hint="(or use logger=csv)" if group == "logger" else "")
 
 
 def _with_key(key: str, factory):
@@ -84,18 +94,26 @@ def _with_key(key: str, factory):
 
 
 def build(cfg: DictConfig) -> tuple[GRPOModule, RolloutDataModule, lightning.Trainer]:
+    import lightning
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    from lit_parl.kernels.backends import resolve_backend
+    from lit_parl.run_checks import check_run
+
+    _check_extras(cfg)
     lightning.seed_everything(cfg.seed, workers=True, verbose=False)
     shape, sampling = instantiate(cfg.shape), instantiate(cfg.sampling)
     objective = instantiate(cfg.algorithm.objective)
     policy, tokenizer = instantiate(cfg.model)
     # Shared objects are passed to a partial, not as instantiate() kwargs: Hydra would turn a dataclass
     # (the shape, the sampling parameters) back into a config node.
+    optimizer = instantiate(cfg.optimizer)
     module = _with_key("module", instantiate(cfg.module, _partial_=True))(
         policy=policy,
         objective=objective,
         shape=shape,
         tokenizer=tokenizer,
-        optimizer=instantiate(cfg.optimizer),
+        optimizer=optimizer,
         lr_schedule=instantiate(cfg.lr_schedule),
     )
     rewards = [
@@ -119,11 +137,13 @@ def build(cfg: DictConfig) -> tuple[GRPOModule, RolloutDataModule, lightning.Tra
     trainer = instantiate(
         cfg.trainer,
         callbacks=callbacks,
-        logger=_logger(cfg),
+        logger=instantiate(cfg.logger),
         default_root_dir=str(cfg.run_dir),
         enable_checkpointing=any(isinstance(c, ModelCheckpoint) for c in callbacks),
     )
-    # fail before any process starts, for the dtype the forward will compute in
+    # fail before any process starts (Lightning starts the other ranks in fit), once
+    check_run(cfg.iterations, shape, optimizer, trainer.world_size, trainer.num_nodes)
+    # for the dtype the forward will compute in
     resolve_backend(
         module.attention_backend, trainer.strategy.root_device, module.compute_dtype(str(trainer.precision))
     )
@@ -160,6 +180,8 @@ def _raise_keyboard_interrupt(signum, frame):
 
 
 def run(cfg: DictConfig) -> dict:
+    from lit_parl.callbacks import RunSummary
+
     _quiet_console(Path(cfg.run_dir))
     checkpoint = checkpoint_to_resume(cfg.resume)  # before anything is built: a wrong path fails at once
     module, datamodule, trainer = build(cfg)
@@ -174,12 +196,24 @@ def run(cfg: DictConfig) -> dict:
 
 
 # Refusals of a bad setting, file or data row: lit_parl raises these with a message that names the fix
-_REFUSALS = (ValueError, FileNotFoundError, ImportError, OmegaConfBaseException)
+_REFUSALS = (ValueError, FileNotFoundError, ImportError, OmegaConfBaseException, PoolStartError)
+# found without importing them (lit_parl.callbacks loads Lightning)
 _OWN_CODE = tuple(
     Path(path).resolve()
     for package in ("lit_parl", "lit_parl.callbacks", "lit_parl.kernels")
-    for path in importlib.import_module(package).__path__
+    for path in importlib.util.find_spec(package).submodule_search_locations
 )
+
+
+def _missing_extra(error: BaseException) -> MissingExtra | None:
+    """The ``MissingExtra`` behind ``error`` (Hydra and Lightning wrap what a constructor or hook raised)."""
+    seen = set()
+    while error is not None and id(error) not in seen:
+        if isinstance(error, MissingExtra):
+            return error
+        seen.add(id(error))
+        error = error.__cause__ or error.__context__
+    return None
 
 
 def refusal_message(error: BaseException) -> str | None:
@@ -187,7 +221,11 @@ def refusal_message(error: BaseException) -> str | None:
     config key Hydra names; ``None`` for anything else (a failure in user or library code keeps its traceback).
 
     A refusal is one of ``_REFUSALS`` whose innermost cause was raised by lit_parl's own code (or by OmegaConf,
-    for a value the config lacks); a reward or dataset loader of the user's that raises is not."""
+    for a value the config lacks); a reward or dataset loader of the user's that raises is not. A missing extra
+    is one wherever it was found missing."""
+    missing = _missing_extra(error)
+    if missing is not None:
+        return str(missing)
     cause, key = error, None
     if isinstance(error, InstantiationException) and error.__cause__ is not None:
         found = re.search(r"full_key: (\S+)", str(error))
@@ -208,7 +246,7 @@ def refusal_message(error: BaseException) -> str | None:
 
 
 @hydra.main(config_path="pkg://lit_parl.conf", config_name="config", version_base="1.3")
-def main(cfg: DictConfig) -> None:
+def _hydra_main(cfg: DictConfig) -> None:
     try:
         run(cfg)
     except Exception as error:
@@ -216,3 +254,12 @@ def main(cfg: DictConfig) -> None:
         if message is None:
             raise
         raise SystemExit(f"lit-parl: error: {message}") from None
+
+
+def main() -> None:
+    """``lit-parl [overrides]``: the overrides are composed first, so those Hydra would refuse obscurely get one
+    line that names the fix (``lit_parl.override_checks``); then Hydra runs the job."""
+    message = override_error(sys.argv[1:])
+    if message is not None:
+        raise SystemExit(f"lit-parl: error: {message}")
+    _hydra_main()

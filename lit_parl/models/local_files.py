@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import hashlib
-import importlib.util
 import os
 from pathlib import Path
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+
+from lit_parl.extras import require_installed
 
 
 def cache_root() -> Path:
@@ -65,8 +66,7 @@ def gguf(
     root = Path(cache_dir) if cache_dir else cache_root() / "gguf"
     directory = root / f"{file.stem}-{key}"
     if not (directory / "config.json").is_file():
-        if importlib.util.find_spec("gguf") is None:  # transformers reads GGUF files through this package
-            raise ImportError("reading a GGUF file needs the gguf package: pip install 'lit-parl[gguf]'")
+        require_installed("gguf", "gguf", "reading a GGUF file (model=gguf)")  # transformers reads it with gguf
         tokenizer = AutoTokenizer.from_pretrained(file.parent, gguf_file=file.name)
         loaded = AutoModelForCausalLM.from_pretrained(file.parent, gguf_file=file.name, dtype=torch.float32)
         config = loaded.config

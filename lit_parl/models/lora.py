@@ -34,6 +34,7 @@ from dataclasses import dataclass
 import torch
 
 from lit_parl.callbacks.full_tensors import is_adapter_tensor, lora_layers
+from lit_parl.extras import require
 
 TRAINED = "default"  # the adapter the optimizer trains (peft's default name)
 SNAPSHOT = "theta_k"  # the copy of it taken at each iteration's start
@@ -66,12 +67,9 @@ class LoRASettings:
             object.__setattr__(self, "target_modules", tuple(self.target_modules))
 
     def peft_config(self):
-        try:
-            from peft import LoraConfig
-        except ImportError as error:
-            raise ImportError("LoRA needs peft: pip install 'lit-parl[lora]' (or pip install peft)") from error
+        peft = require("peft", "lora", "LoRA (lora=r16, module.lora)")
         targets = self.target_modules if isinstance(self.target_modules, str) else list(self.target_modules)
-        return LoraConfig(
+        return peft.LoraConfig(
             r=self.rank, lora_alpha=self.alpha, lora_dropout=self.dropout, target_modules=targets, bias="none"
         )
 
@@ -79,9 +77,9 @@ class LoRASettings:
 def add_lora(policy: torch.nn.Module, settings: LoRASettings, with_snapshot: bool = False) -> torch.nn.Module:
     """Inject ``settings``' adapters into ``policy`` (in place) and freeze everything else; ``with_snapshot``: add
     the θ_k adapter too (frozen; the strategy adapter's ``copy_adapter`` fills it). Returns ``policy``."""
+    config = settings.peft_config()  # first: it says which extra to install when peft is missing
     from peft import inject_adapter_in_model
 
-    config = settings.peft_config()
     inject_adapter_in_model(config, policy, adapter_name=TRAINED)
     if with_snapshot:
         with warnings.catch_warnings():  # a second adapter is the point here

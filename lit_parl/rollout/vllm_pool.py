@@ -84,7 +84,7 @@ from lit_parl.rollout.pool_records import PoolSpec
 from lit_parl.rollout.records import GroupCompletions, GroupRequest, SamplingParams
 from lit_parl.rollout.rollout_pool import BF16_LOGPROB_TOLERANCE, FP32_LOGPROB_TOLERANCE, WeightBucket
 from lit_parl.rollout.spawned_worker_pool import SpawnedWorkerPool
-from lit_parl.rollout.vllm_checks import check_engine_kwargs
+from lit_parl.rollout.vllm_checks import check_engine_kwargs, check_vllm_installed
 from lit_parl.rollout.vllm_engine import VLLMEngine
 from lit_parl.rollout.vllm_worker_extension import EXTENSION
 from lit_parl.rollout.worker_messages import LoadAdapter
@@ -229,7 +229,7 @@ class VLLMRolloutPool(SpawnedWorkerPool, AdapterPool):
             )
 
     def _start(self, spec: PoolSpec) -> None:
-        # resolved now, against the environment the workers are started from, and kept for replacements
+        check_vllm_installed()  # the devices next: resolved against the workers' environment, kept for replacements
         visible = os.environ.get("CUDA_VISIBLE_DEVICES")
         self._worker_gpus = None if self.gpu_ids is None else visible_devices(self.gpu_ids, visible, "VLLMRolloutPool")
         if self.takes_lora_adapters or self.tensor_parallel_size > 1:  # adapters; the ranks' queues' socket files

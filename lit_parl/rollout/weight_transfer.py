@@ -28,6 +28,8 @@ from pathlib import Path
 import torch
 import torch.multiprocessing as torch_mp
 
+from lit_parl.extras import require
+
 
 def serialize_named_tensors(named_tensors: list[tuple[str, torch.Tensor]]) -> str:
     """``[(name, tensor)]`` as SGLang's ``MultiprocessingSerializer.serialize(..., output_str=True)`` writes it.
@@ -55,15 +57,13 @@ def send_cuda_devices_by_uuid() -> None:
     whenever the two processes see different ``CUDA_VISIBLE_DEVICES``). Idempotent. Process-wide, as in
     SGLang's own processes: torch's reduction is replaced for good, and SGLang's version pickles CUDA tensors
     only (it is applied when a bucket holds CUDA tensors, which a trainer on a GPU sends all of)."""
-    try:
-        from sglang.srt.utils.patch_torch import monkey_patch_torch_reductions
-    except ImportError as error:
-        raise ImportError(
-            "the SGLang pool's pool.sync.method='tensor' with CUDA weights needs sglang importable "
-            "in the trainer's process, for its CUDA IPC patch (devices sent by UUID): "
-            "pip install 'lit-parl[sglang]', or use pool.sync.method='distributed' or 'disk'"
-        ) from error
-    monkey_patch_torch_reductions()
+    require(
+        "sglang.srt.utils.patch_torch",
+        "sglang",
+        "the SGLang pool's pool.sync.method='tensor' with CUDA weights (in the trainer's process, for SGLang's CUDA "
+        "IPC patch: devices sent by UUID)",
+        hint="(or use pool.sync.method='distributed' or 'disk')",
+    ).monkey_patch_torch_reductions()
 
 
 def deserialize_named_tensors(payload: str) -> list[tuple[str, torch.Tensor]]:

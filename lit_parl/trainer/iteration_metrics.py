@@ -18,6 +18,9 @@ Example::
 
 from __future__ import annotations
 
+import re
+import warnings
+
 import torch
 from torchmetrics import MaxMetric, MeanMetric
 
@@ -47,6 +50,29 @@ _LOGGED_AS = {
     "mismatch_abs": "mismatch/logprob_abs_diff",
     "mismatch_kl": "mismatch/kl",
 }
+
+# Under several ranks Lightning advises sync_dist=True, once per name, for every tensor logged per epoch without it
+# (21 lines per DDP run). lit_parl's epoch values need no such all-reduce: this module's aggregates are reduced
+# over the ranks by torchmetrics' compute(), the skipped-step count is the same on every rank (the ranks agree on
+# each skip), and the loss, throughput, busy times and overlap (the callbacks' EpochEndLogs) are rank 0's own
+# measurements, each rank's being alike. The advice is dropped for these names only; a user's value still gets it.
+OWN_EPOCH_LOGS = (
+    *(_LOGGED_AS.get(name, name) for name in _MEANS if name != "reward_sq"),
+    _LOGGED_AS["length_max"],
+    "reward_std",
+    "loss",
+    "nonfinite/skipped_steps",
+    "completions_per_s",
+    "tokens_per_s",
+    "gen_busy_s",
+    "train_busy_s",
+    "dropped_groups",
+    "overlap_efficiency",
+)
+_NAMES = "|".join(map(re.escape, OWN_EPOCH_LOGS))
+warnings.filterwarnings(
+    "ignore", message=rf"It is recommended to use `self\.log\('({_NAMES})', \.\.\., sync_dist=True\)`"
+)
 
 
 class IterationMetrics(torch.nn.Module):

@@ -12,6 +12,7 @@ ROOT = Path(__file__).resolve().parents[2]
 LAYERS = {
     "lit_parl.errors": 1,
     "lit_parl.settings": 1,
+    "lit_parl.extras": 1,
     "lit_parl.kernels": 1,
     "lit_parl.callbacks": 1,
     "lit_parl.models": 1,
@@ -25,6 +26,8 @@ LAYERS = {
     "lit_parl.trainer": 4,
     "lit_parl.planner": 5,  # reads a finished run's files; nothing imports it
     "lit_parl.cli": 5,
+    "lit_parl.override_checks": 5,
+    "lit_parl.run_checks": 5,
     "lit_parl.__main__": 5,
 }
 

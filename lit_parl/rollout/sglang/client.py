@@ -15,6 +15,7 @@ import time
 from collections.abc import Callable, Coroutine
 from typing import TYPE_CHECKING, Any
 
+from lit_parl.extras import require
 from lit_parl.rollout.sglang.messages import MalformedResponse
 
 if TYPE_CHECKING:
@@ -40,10 +41,7 @@ class HTTPClient:
     """
 
     def __init__(self, request_timeout_s: float) -> None:
-        try:
-            import aiohttp
-        except ImportError as error:
-            raise ImportError("SGLangRolloutPool needs aiohttp: pip install 'lit-parl[sglang]'") from error
+        aiohttp = require("aiohttp", "sglang", "SGLangRolloutPool")
         self.request_timeout_s = request_timeout_s
         self.loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self.loop.run_forever, name="lit_parl-sglang-client", daemon=True)

@@ -18,6 +18,7 @@ import weakref
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
+from lit_parl.extras import require_installed
 from lit_parl.rollout.adapter_pool import AdapterPool
 from lit_parl.rollout.gpu_placement import split_gpu_ids, visible_devices
 from lit_parl.rollout.records import GroupCompletions, GroupRequest, SamplingParams
@@ -119,6 +120,10 @@ class SGLangRolloutPool(SharedRolloutPool, AdapterPool):
         servers, launch = self.servers, self.launch
         if servers.urls is None:
             check_server_env(os.environ)  # an attached server's environment is its own (see the class docstring)
+            if launch.command is None:  # the default command runs this Python's sglang
+                require_installed("sglang", "sglang", "launching SGLang servers", hint="(or attach: pool.servers.urls)")
+        if self.router.enabled:
+            require_installed("sglang_router", "sglang", "pool.router.enabled=true")
         fleet = self._open(spec)
         if servers.urls is None:
             self._launch_servers(str(launch.model_path or spec.model_dir))
