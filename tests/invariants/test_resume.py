@@ -204,9 +204,11 @@ def test_lora_checkpoints_hold_the_adapters_only_and_resume_exactly(tmp_path):
         run(tmp_path / "other", ckpt_path=str(tmp_path / "saved" / "step=4.ckpt"), lora=lora, seed=1)
 
 
-def assert_same_policy(module, expected) -> None:
+def assert_same_policy(module, expected, exact: bool = False) -> None:
+    """The same policy weights; ``exact``: bit for bit."""
+    tolerance = {"rtol": 0.0, "atol": 0.0} if exact else {"rtol": 1e-5, "atol": 1e-7}
     for name, tensor in policy_state(expected).items():
-        torch.testing.assert_close(module.policy.state_dict()[name], tensor, rtol=1e-5, atol=1e-7, msg=name)
+        torch.testing.assert_close(module.policy.state_dict()[name], tensor, **tolerance, msg=name)
 
 
 class SaveAt(Callback):
@@ -291,12 +293,21 @@ def test_resuming_inside_an_iteration_on_another_number_of_ranks_is_refused():
 
 
 def test_checkpoints_leave_out_the_models_the_module_rebuilds(tmp_path):
-    """θ_0 is rebuilt from the initial model (and checked against it); θ_k is stored only inside an iteration."""
+    """θ_0 is rebuilt from the initial model (and checked against it); θ_k is stored only inside an iteration. A
+    fit resumed from either checkpoint trains bit for bit as the uninterrupted one, against the rebuilt models."""
+    straight, _, _ = run(tmp_path / "straight")
     run(tmp_path, save_every_step=True)
     boundary = torch.load(tmp_path / "step=4.ckpt", weights_only=False)["state_dict"]
     inside = torch.load(tmp_path / "step=5.ckpt", weights_only=False)["state_dict"]
-    assert not any(name.startswith(("reference.", "old.")) for name in boundary)
-    assert any(name.startswith("old.") for name in inside) and not any(name.startswith("reference.") for name in inside)
+    policy = {name for name in boundary if name.startswith("policy.")}
+    assert set(boundary) == policy, "only the policy is stored between iterations"
+    assert set(inside) == policy | {f"old.{name[len('policy.') :]}" for name in policy}, "and θ_k inside one"
+    for step in (4, 5):
+        resumed, _, _ = run(tmp_path / f"resumed{step}", ckpt_path=str(tmp_path / f"step={step}.ckpt"))
+        assert_same_policy(resumed, straight, exact=True)
+        theta_0 = policy_state(make_components(pool=InProcessPool())[0])  # the reference stays θ_0
+        for name, tensor in resumed.reference.state_dict().items():
+            assert torch.equal(tensor, theta_0[name]), f"step {step}: reference {name} is not θ_0"
 
     with pytest.raises(ValueError, match="another reference model"):  # a module built from another initial model
         run(tmp_path / "other", ckpt_path=str(tmp_path / "step=4.ckpt"), seed=1)
