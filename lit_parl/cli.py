@@ -27,7 +27,7 @@ from omegaconf import DictConfig
 from omegaconf.errors import OmegaConfBaseException
 
 from lit_parl.errors import PoolStartError
-from lit_parl.extras import MissingExtra, require_installed
+from lit_parl.extras import require_installed
 from lit_parl.override_checks import override_error
 
 if TYPE_CHECKING:
@@ -205,27 +205,13 @@ _OWN_CODE = tuple(
 )
 
 
-def _missing_extra(error: BaseException) -> MissingExtra | None:
-    """The ``MissingExtra`` behind ``error`` (Hydra and Lightning wrap what a constructor or hook raised)."""
-    seen = set()
-    while error is not None and id(error) not in seen:
-        if isinstance(error, MissingExtra):
-            return error
-        seen.add(id(error))
-        error = error.__cause__ or error.__context__
-    return None
-
-
 def refusal_message(error: BaseException) -> str | None:
     """The one line to print for ``error`` when it refuses a bad setting, file or data row: its message, with the
     config key Hydra names; ``None`` for anything else (a failure in user or library code keeps its traceback).
 
     A refusal is one of ``_REFUSALS`` whose innermost cause was raised by lit_parl's own code (or by OmegaConf,
     for a value the config lacks); a reward or dataset loader of the user's that raises is not. A missing extra
-    is one wherever it was found missing."""
-    missing = _missing_extra(error)
-    if missing is not None:
-        return str(missing)
+    is one: ``lit_parl.extras`` raises it."""
     cause, key = error, None
     if isinstance(error, InstantiationException) and error.__cause__ is not None:
         found = re.search(r"full_key: (\S+)", str(error))

@@ -202,3 +202,10 @@ def test_a_ddp_fit_prints_no_advice_to_sync_lit_parls_own_metrics(tmp_path):
     )
     assert result.returncode == 0, result.stderr[-3000:]
     assert "sync_dist=True" not in result.stderr + result.stdout, result.stderr[-3000:]
+
+
+def test_an_attached_server_that_does_not_answer_is_one_line_naming_the_setting(tmp_path, monkeypatch):
+    args = ["pool=sglang", "pool.servers.urls=[http://127.0.0.1:9]", "pool.servers.attach_timeout_s=1"]
+    message = _main(monkeypatch, *args, "iterations=1", f"run_dir={tmp_path}")
+    assert "SGLang server http://127.0.0.1:9 is not healthy after 1 s" in message, message
+    assert message.endswith("Check pool.servers.urls, and that the server runs."), message
