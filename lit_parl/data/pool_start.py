@@ -13,6 +13,7 @@ from lightning.pytorch import Trainer
 from lightning.pytorch.strategies import Strategy
 
 from lit_parl.data.rank_share import RankShare
+from lit_parl.errors import PoolStartError
 from lit_parl.rollout.pool_records import PoolSpec
 from lit_parl.rollout.rollout_pool import RolloutPool
 
@@ -39,7 +40,8 @@ def _start_shared(pool, spec: PoolSpec, strategy: Strategy, rank: int) -> None:
     if failure is not None:
         raise failure
     if isinstance(said, str):
-        raise RuntimeError(f"rank 0 could not start the shared {pool.backend} pool: {said}")
+        # rank 0 prints its own error (the cause); this rank's line only says why it stops too
+        raise PoolStartError(f"rank {rank} stops: rank 0 could not start the shared {pool.backend} pool: {said}")
     if rank != 0:
         try:
             pool.join(spec, said)
@@ -48,4 +50,6 @@ def _start_shared(pool, spec: PoolSpec, strategy: Strategy, rank: int) -> None:
     if not strategy.reduce_boolean_decision(failure is None, all=True):
         if failure is not None:
             raise failure
-        raise RuntimeError(f"another rank could not join the shared {pool.backend} pool at {said} (its error says why)")
+        raise PoolStartError(
+            f"another rank could not join the shared {pool.backend} pool at {said} (its error says why)"
+        )

@@ -14,6 +14,7 @@ from lit_parl.callbacks.shared_push import SharedPush
 from lit_parl.data.iteration_shape import IterationShape
 from lit_parl.data.pool_start import start_pool
 from lit_parl.data.rank_share import RankShare
+from lit_parl.errors import PoolStartError
 from lit_parl.rollout.pool_records import PoolSpec
 
 
@@ -192,12 +193,13 @@ def test_a_shared_pool_that_rank_0_cannot_start_stops_every_rank():
         start_pool(Pool(start_fails=True), SPEC, trainer_of(collectives), RankShare(SHAPE, world=2, rank=0))
     assert collectives.broadcast_sent == ["OSError: port in use"], "the others must hear why, not wait"
     other = Pool()
-    with pytest.raises(RuntimeError, match="rank 0 could not start the shared test pool: OSError: port in use"):
+    # a PoolStartError: the CLI prints it as one line, not a traceback
+    with pytest.raises(PoolStartError, match="rank 0 could not start the shared test pool: OSError: port in use"):
         start_pool(
             other, SPEC, trainer_of(Collectives(rank=1, said="OSError: port in use")), RankShare(SHAPE, world=2, rank=1)
         )
     assert other.calls == []
-    with pytest.raises(RuntimeError, match="another rank could not join the shared test pool"):
+    with pytest.raises(PoolStartError, match="another rank could not join the shared test pool"):
         start_pool(
             Pool(), SPEC, trainer_of(Collectives(rank=0, everyone_agrees=False)), RankShare(SHAPE, world=2, rank=0)
         )

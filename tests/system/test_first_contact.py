@@ -209,3 +209,14 @@ def test_an_attached_server_that_does_not_answer_is_one_line_naming_the_setting(
     message = _main(monkeypatch, *args, "iterations=1", f"run_dir={tmp_path}")
     assert "SGLang server http://127.0.0.1:9 is not healthy after 1 s" in message, message
     assert message.endswith("Check pool.servers.urls, and that the server runs."), message
+
+
+def test_a_run_prints_each_message_once_and_a_pool_that_cannot_start_one_error_line(tmp_path):
+    """Through the CLI as a user runs it: Lightning's messages appear once (Hydra's handler on the root logger printed
+    each a second time), and a pool that cannot start ends the run with its one line, no traceback."""
+    args = ["pool=sglang", "pool.servers.urls=[http://127.0.0.1:9]", "pool.servers.attach_timeout_s=1"]
+    result = _cli(*args, "iterations=1", f"run_dir={tmp_path}")
+    lines = [line for line in (result.stdout + result.stderr).splitlines() if line.strip("- \n")]
+    assert len([line for line in lines if "GPU available" in line]) == 1, f"a message printed twice: {lines}"
+    errors = [line for line in lines if line.startswith("lit-parl: error: ")]
+    assert result.returncode == 1 and len(errors) == 1 and "Traceback" not in result.stderr, lines
