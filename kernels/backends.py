@@ -92,7 +92,7 @@ def resolve_backend(requested: str, device: torch.device | str, dtype: torch.dty
             "flash": "a CUDA device and the flash-attn package (pip install 'lit-parl[flash-attn]')",
             "npu": "an Ascend NPU and torch_npu (pip install 'lit-parl[torch-npu]')",
         }[requested]
-        raise RuntimeError(
+        raise ValueError(
             f"attention backend {requested!r} cannot run on {_device_type(device)}: it needs {needs}. "
             f"Available here: {available}"
         )

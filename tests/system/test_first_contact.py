@@ -220,3 +220,8 @@ def test_a_run_prints_each_message_once_and_a_pool_that_cannot_start_one_error_l
     assert len([line for line in lines if "GPU available" in line]) == 1, f"a message printed twice: {lines}"
     errors = [line for line in lines if line.startswith("lit-parl: error: ")]
     assert result.returncode == 1 and len(errors) == 1 and "Traceback" not in result.stderr, lines
+
+
+def test_an_attention_backend_this_device_cannot_run_is_one_line(tmp_path, monkeypatch):
+    message = _main(monkeypatch, "module.attention_backend=flex", "iterations=1", f"run_dir={tmp_path}")
+    assert "attention backend 'flex' cannot run on cpu" in message and "Available here" in message, message
