@@ -54,6 +54,21 @@ def lora_launch_args(max_rank: int) -> list[str]:
     ]
 
 
+# SGLang 0.5.23's LoRA layers allocate pinned host memory unconditionally (sglang/srt/lora/layers.py:141, and on
+# every LoRA layer type, the adapter's weights at load in lora.py:533), and torch has no pinned allocator without an
+# accelerator: a CPU server started with --enable-lora dies while building its LoRA layers, whatever --lora-backend
+CPU_ADAPTERS_REFUSED = (
+    "pool.sync.lora=adapter needs a GPU: SGLang's LoRA layers pin host memory (sglang/srt/lora/layers.py:141), which "
+    "torch refuses on a machine without an accelerator, so a CPU server cannot load adapters; set pool.sync.lora=merged"
+)
+
+
+def check_adapters_servable(cpu: bool) -> None:
+    """Refuse adapter sync on servers launched on SGLang's CPU platform, before any starts."""
+    if cpu:
+        raise ValueError(CPU_ADAPTERS_REFUSED)
+
+
 def serialize_adapter(tensors: dict[str, torch.Tensor]) -> str:
     """``{name: tensor}`` as a base64 pickle that carries the values (no shared memory: any server can read it)."""
     plain = {name: tensor.detach().cpu().contiguous() for name, tensor in tensors.items()}

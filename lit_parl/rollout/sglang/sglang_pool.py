@@ -23,7 +23,7 @@ from lit_parl.rollout.adapter_pool import AdapterPool
 from lit_parl.rollout.gpu_placement import split_gpu_ids, visible_devices
 from lit_parl.rollout.records import GroupCompletions, GroupRequest, SamplingParams
 from lit_parl.rollout.rollout_pool import FP32_LOGPROB_TOLERANCE, PoolSpec, WeightBucket
-from lit_parl.rollout.sglang.adapters import AdapterLoader, lora_launch_args
+from lit_parl.rollout.sglang.adapters import AdapterLoader, check_adapters_servable, lora_launch_args
 from lit_parl.rollout.sglang.client import RETRYABLE, HTTPClient
 from lit_parl.rollout.sglang.generation import stream_groups
 from lit_parl.rollout.sglang.membership import Membership, why_fixed
@@ -118,6 +118,8 @@ class SGLangRolloutPool(SharedRolloutPool, AdapterPool):
     # -- RolloutPool -----------------------------------------------------------------------------------
     def _start(self, spec: PoolSpec) -> None:
         servers, launch = self.servers, self.launch
+        if self.takes_lora_adapters and servers.urls is None:
+            check_adapters_servable(launches_on_cpu(launch))
         if servers.urls is None:
             check_server_env(os.environ)  # an attached server's environment is its own (see the class docstring)
             if launch.command is None:  # the default command runs this Python's sglang
