@@ -15,9 +15,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import subprocess
 import sys
-import time
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -32,8 +30,8 @@ require_sglang()
 from sglang.api.v1.api_types import SamplingParams as ContractSamplingParams  # noqa: E402
 from sglang.srt.sampling.sampling_params import SamplingParams as SGLangSamplingParams  # noqa: E402
 
-from lit_parl.rollout.weight_transfer import save_shard, serialize_named_tensors  # noqa: E402
-from sglang_contract.pool_run import STANDIN, free_port  # noqa: E402
+from lit_parl.rollout.weight_transfer import serialize_named_tensors  # noqa: E402
+from sglang_contract.pool_run import STANDIN  # noqa: E402
 from sglang_contract.sglang_side import route_table  # noqa: E402
 
 STANDIN_FILE = Path(STANDIN[1])
@@ -266,43 +264,6 @@ def outcome(status: int) -> str:
     return "accepted" if status < 300 else "refused (4xx)" if status < 500 else "failed (5xx)"
 
 
-@pytest.fixture(scope="module")
-def standin(spec):
-    """A stand-in server started as the pool starts its own (``tp_size`` 1); its URL."""
-    port = free_port()
-    process = subprocess.Popen(
-        [*STANDIN, "--model-path", str(spec.model_dir), "--port", str(port), "--enable-deterministic-inference"],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 180
-    while True:
-        try:
-            urllib.request.urlopen(url + "/health", timeout=5).read()
-            break
-        except OSError:
-            if time.monotonic() > deadline or process.poll() is not None:
-                process.kill()
-                raise RuntimeError("the stand-in did not start") from None
-            time.sleep(0.3)
-    yield url
-    process.kill()
-    process.wait()
-
-
-@pytest.fixture(scope="module")
-def checkpoint(spec, tmp_path_factory) -> str:
-    """A sharded checkpoint of the model, as the pool's disk sync writes one."""
-    from transformers import AutoModelForCausalLM
-
-    out = tmp_path_factory.mktemp("checkpoint")
-    model = AutoModelForCausalLM.from_pretrained(spec.model_dir)
-    shards = save_shard(list(model.named_parameters()), out, "model-00001.safetensors")
-    (out / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": shards}))
-    return str(out)
-
-
 def post(url: str, path: str, body) -> int:
     data = b"" if body is None else json.dumps(body).encode()
     request = urllib.request.Request(url + path, data, {"Content-Type": "application/json"}, method="POST")
@@ -314,11 +275,10 @@ def post(url: str, path: str, body) -> int:
         return error.code
 
 
-@pytest.mark.parametrize("path, body, before, after, why", PROBES)
-def test_the_standin_answers_a_probe_as_sglang_does(
-    path, body, before, after, why, standin, checkpoint, server_side, spec
-):
-    keep = []  # tensors a tensor payload points to: alive until both servers answered
+def prepared(body, checkpoint: str, spec):
+    """``body`` as sent: ``@checkpoint`` replaced by the checkpoint's path, ``@tensor`` by a payload of the model's
+    first two tensors. Returns the body and those tensors, which must stay alive until the servers have answered."""
+    keep = []
     if isinstance(body, dict):
         body = json.loads(json.dumps(body).replace('"@checkpoint"', json.dumps(checkpoint)))
         if body.get("serialized_named_tensors") == [TENSOR]:
@@ -329,14 +289,28 @@ def test_the_standin_answers_a_probe_as_sglang_does(
                 for name, t in AutoModelForCausalLM.from_pretrained(spec.model_dir).named_parameters()
             ][:2]
             body["serialized_named_tensors"] = [serialize_named_tensors(keep)]
-    sglang = server_side.decide("POST", path, body)
+    return body, keep
+
+
+def send(url: str, path: str, body, before=(), after=()) -> int:
+    """``before``'s requests (each must succeed), the probe, then ``after``'s (whatever they answer): the probe's
+    status."""
     for setup_path, setup_body in before:
-        assert post(standin, setup_path, setup_body) == 200, setup_path
+        assert post(url, setup_path, setup_body) == 200, setup_path
     try:
-        got = post(standin, path, body)
+        return post(url, path, body)
     finally:
         for cleanup_path, cleanup_body in after:
-            post(standin, cleanup_path, cleanup_body)
+            post(url, cleanup_path, cleanup_body)
+
+
+@pytest.mark.parametrize("path, body, before, after, why", PROBES)
+def test_the_standin_answers_a_probe_as_sglang_does(
+    path, body, before, after, why, standin, checkpoint, server_side, spec
+):
+    body, keep = prepared(body, checkpoint, spec)
+    sglang = server_side.decide("POST", path, body)
+    got = send(standin, path, body, before, after)
     del keep
     assert outcome(got) == outcome(sglang.status), (
         f"the stand-in {outcome(got)} (HTTP {got}), "
