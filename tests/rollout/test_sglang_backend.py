@@ -777,7 +777,7 @@ def test_cuda_tensors_are_pickled_with_sglangs_device_uuid_patch(monkeypatch):
     weight_transfer.serialize_named_tensors([("w", torch.zeros(2).as_subclass(SaysCUDA))])
     assert applied == [True, True]
     monkeypatch.setitem(sys.modules, "sglang.srt.utils.patch_torch", None)  # not importable
-    refused = r"pool.sync.method='tensor' with CUDA weights needs sglang .* pool.sync.method='distributed'"
+    refused = r"pool.sync.method='tensor' with CUDA weights .* pip install 'lit-parl\[sglang\]' .*'distributed'"
     with pytest.raises(ImportError, match=refused):
         weight_transfer.send_cuda_devices_by_uuid()
 
