@@ -6,12 +6,15 @@
 - every weight-sync route the pool offers: ``tensor`` (inside ``/begin_weight_update`` … ``/end_weight_update``),
   ``disk`` and ``distributed`` (over gloo): each version reported by the server before the first request, and
   its samples' log-probs are those of that version's weights (and far from the previous version's);
-- the pool's close leaves nothing of the server behind: no process, no ``/dev/shm/sglang_loads_*`` file.
+- the pool's close leaves nothing of its servers behind, of one it stops or one that crashed before: no process, no
+  ``/dev/shm/sglang_loads_*`` file.
 """
 
 from __future__ import annotations
 
 import os
+import signal
+import socket
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -114,14 +117,21 @@ def test_every_sync_route_loads_the_version_the_server_confirms(pool, method):
 
 
 def test_closing_the_pool_leaves_no_server_process_and_no_shared_memory_file(spec):
+    """Two servers: one stopped by the close (SIGTERM leaves SGLang's files, which it still holds), one that crashed
+    before it (SIGKILLed: nothing holds its files any more)."""
+    port = free_port()
+    while _listening(port + 1):
+        port = free_port()
     pool = SGLangRolloutPool(
-        servers={"deterministic_inference": False}, launch={"port": free_port(), "start_timeout_s": 600}
+        servers={"deterministic_inference": False},
+        launch={"num_servers": 2, "port": port, "start_timeout_s": 600},
     )
     before = set(Path("/dev/shm").glob("sglang_*"))
     pool.start(spec)
     pids = pool.launched_pids()
     sync(pool, "tensor", 1)
-    list(pool.generate(group_requests(1, prompts=1), SAMPLINGS["greedy"]))
+    list(pool.generate(group_requests(1, prompts=2), SAMPLINGS["greedy"]))
+    os.killpg(pids[1], signal.SIGKILL)  # a crash: no process of that server is left to hold its files
     pool.close()
     # SIGKILLed children of the server are reparented to init, which reaps them a moment later
     deadline = time.monotonic() + 30.0
@@ -138,3 +148,8 @@ def _session(pid: int) -> int | None:
         return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[3])  # the session id
     except (OSError, IndexError, ValueError):
         return None
+
+
+def _listening(port: int) -> bool:
+    with socket.socket() as s:
+        return s.connect_ex(("127.0.0.1", port)) == 0

@@ -212,7 +212,7 @@ class ServerFleet:
         log_path = self.workdir / log_name
         with open(log_path, "wb") as log:
             # a session of its own: stop_launched stops the server's whole process tree with one signal
-            process = subprocess.Popen(
+            process = LaunchedProcess(
                 command,
                 stdout=log,
                 stderr=subprocess.STDOUT,
@@ -234,6 +234,8 @@ class ServerFleet:
                 )
             try:
                 client.run(client.get(server.url, "/health", timeout=5.0))
+                if server.process is not None:  # what it holds now, for stop_launched even if it crashes later
+                    server.process.shm_files = sglang_shm_files([server.process.pid])
                 return
             except RETRYABLE as error:
                 last = f"{type(error).__name__}: {error}"
@@ -350,10 +352,19 @@ def sglang_shm_files(sessions: Sequence[int]) -> set[Path]:
     return found
 
 
+class LaunchedProcess(subprocess.Popen):
+    """A launched server's process, with the ``/dev/shm/sglang_*`` files it held when it became healthy: a server
+    that crashed holds nothing any more, but its files stay (as SIGTERM leaves them: SGLang never removes them)."""
+
+    shm_files: frozenset[Path] | set[Path] = frozenset()
+
+
 def stop_launched(processes: list[subprocess.Popen], workdir: str | None) -> None:
     """SIGTERM each launched process group, SIGKILL what is left after 15 s, then remove the work dir and the
-    shared-memory files the servers held (``sglang_shm_files``)."""
+    shared-memory files the servers hold, or held when they became healthy (``sglang_shm_files``)."""
     leftovers = sglang_shm_files([p.pid for p in processes if p.poll() is None]) if os.path.isdir("/proc") else set()
+    for process in processes:
+        leftovers |= set(getattr(process, "shm_files", ()))
     for process in processes:
         if process.poll() is None:
             try:
