@@ -1,7 +1,7 @@
 """Two real SGLang servers on the CPU, shared by this module's tests (a start takes about a minute), driven by fits
 of ``tests/helpers/real_sglang_fit.py`` that attach to them: the shared pool under DDP behind the real router, a
-LoRA policy synced merged, then elastic membership (a server joins, then is SIGKILLed mid-iteration). The elastic
-test kills server B, so it runs last.
+LoRA policy synced merged, multi-turn episodes (a pool in this process), then elastic membership (a server joins,
+then is SIGKILLed mid-iteration). The elastic test kills server B, so it runs last.
 
 What the servers received is read from their own access logs (uvicorn's, one line per request answered), not from
 the pool. SGLang on the CPU ignores per-sample seeds (it refuses --enable-deterministic-inference there), so no
@@ -19,6 +19,7 @@ import sys
 import urllib.request
 from collections import Counter
 from pathlib import Path
+from unittest import mock
 
 import pytest
 import torch
@@ -27,8 +28,19 @@ from sglang_contract.sglang_side import require_sglang
 
 require_sglang()
 
+from helpers.episode_envs import DIGIT_STOPS, TurnTaker  # noqa: E402
 from helpers.multi_process import assert_same_policy, free_port  # noqa: E402
 from helpers.real_sglang_servers import start_servers, stop_servers  # noqa: E402
+from lit_parl.data.prompt_schedule import PromptSchedule  # noqa: E402
+from lit_parl.episodes import EpisodeRunner, EpisodeSettings  # noqa: E402
+from lit_parl.episodes.episode import turn_seed  # noqa: E402
+from lit_parl.models import tiny_qwen2  # noqa: E402
+from lit_parl.models.char_tokenizer import build_char_tokenizer  # noqa: E402
+from lit_parl.rollout.records import SamplingParams  # noqa: E402
+from lit_parl.rollout.sglang import SGLangRolloutPool  # noqa: E402
+from lit_parl.rollout.sglang.client import HTTPClient  # noqa: E402
+from lit_parl.rollout.sglang.servers import sglang_shm_files  # noqa: E402
+from lit_parl.tasks import CopyTask  # noqa: E402
 
 SCRIPT = Path(__file__).resolve().parents[1] / "helpers" / "real_sglang_fit.py"
 ROOT = Path(__file__).resolve().parents[2]
@@ -105,6 +117,54 @@ def test_a_lora_policy_reaches_a_real_server_merged(servers, tmp_path):
     assert reported_version(servers[0].url) == str(iterations - 1)
 
 
+def test_an_episodes_turns_continue_on_the_real_server_that_holds_its_prefix(servers, spec):
+    """Multi-turn episodes (``TurnTaker``) over a pool attached to both servers: every turn of an episode goes to one
+    server, the episodes spread over both, and each continuation finds its episode so far in that server's prefix
+    cache: SGLang reports ``cached_tokens`` ≥ the previous turn's whole input."""
+    sent = []  # (server, input ids, seed, cached tokens SGLang reports) of each /generate
+    original = HTTPClient._request
+
+    async def _request(self, method, url, payload, timeout):
+        answer = await original(self, method, url, payload, timeout)
+        if url.endswith("/generate"):
+            seed, cached = payload["sampling_params"]["sampling_seed"], answer["meta_info"]["cached_tokens"]
+            sent.append((url.rsplit("/", 1)[0], payload["input_ids"], seed, cached))
+        return answer
+
+    pool = SGLangRolloutPool(
+        servers={"urls": [s.url for s in servers], "deterministic_inference": False}, sync={"method": "disk"}
+    )
+    with mock.patch.object(HTTPClient, "_request", _request):
+        pool.start(spec)
+        try:
+            named = list(tiny_qwen2(seed=0)[0].named_parameters())
+            pool.sync_weights([named], version=100)
+            tok = build_char_tokenizer()
+            drawn = PromptSchedule(CopyTask(seed=0), tok, group_size=4).draw(list(range(6)), version=100)
+            runner = EpisodeRunner(EpisodeSettings(TurnTaker, max_turns=4, max_episode_tokens=40), tok)
+            sampling = SamplingParams(max_new_tokens=6, stop_token_ids=DIGIT_STOPS)
+            groups = list(runner.generate(pool, [d.request for d in drawn.values()], sampling, drawn))
+        finally:
+            pool.close()
+    servers_of, continued = {}, 0
+    for group in groups:
+        request = drawn[group.prompt_id].request
+        for sample, tokens, episode in zip(group.sample_indices, group.completions, group.episodes, strict=True):
+            whole = [*request.prompt_tokens, *tokens]
+            seeds = [turn_seed(request.seeds[sample], t) for t in range(4)]
+            model_turns = sum(1 for role, _ in episode.turns if role == "assistant")
+            turns = [[x for x in sent if x[2] == seeds[t] and whole[: len(x[1])] == x[1]] for t in range(model_turns)]
+            assert all(len(found) == 1 for found in turns), (group.prompt_id, sample)
+            turns = [found[0] for found in turns]
+            servers_of[(group.prompt_id, sample)] = {server for server, *_ in turns}
+            for previous, turn in zip(turns, turns[1:]):
+                assert turn[3] >= len(previous[1]), "a continuation did not find its episode in the server's cache"
+                continued += 1
+    assert continued > 0, "no episode had a second turn"
+    assert all(len(used) == 1 for used in servers_of.values()), "an episode's turns went to two servers"
+    assert set().union(*servers_of.values()) == {s.url for s in servers}, "the episodes did not spread over both"
+
+
 def test_a_real_server_joins_then_is_killed_mid_iteration(servers, tmp_path):
     """One process, 4 iterations, attached to A. B is added to the membership file during iteration 0 and joins at
     version 1's push; it is SIGKILLed just before its second request of version 2 (the first may be in flight).
@@ -112,6 +172,8 @@ def test_a_real_server_joins_then_is_killed_mid_iteration(servers, tmp_path):
     process trained on the same groups without any failure."""
     a, b = servers
     mark = b.mark()
+    held = sglang_shm_files([b.process.pid])  # its load snapshot: a killed server cannot remove it
+    assert held, "B holds no /dev/shm/sglang_* file: nothing to check"
     listing = tmp_path / "servers.txt"
     listing.write_text(f"{a.url}\n")
     iterations = 4
@@ -119,6 +181,7 @@ def test_a_real_server_joins_then_is_killed_mid_iteration(servers, tmp_path):
     run = fit(tmp_path / "elastic", *flags, "--join-at", "1", b.url, "--kill", b.url, str(b.process.pid), "2", "2")
     replay = fit(tmp_path / "replay", "--iterations", str(iterations), "--replay", str(tmp_path / "elastic"))
     assert b.process.wait(timeout=30) == -9, "B was not killed"
+    assert not [path for path in held if path.exists()], "the killed server's shared-memory file was left behind"
     assert_same_policy(run["policy"], replay["policy"])
     assert trained(run) == every_sample(iterations), "a sample was lost or trained twice"
     answered = b.answered(since=mark)
