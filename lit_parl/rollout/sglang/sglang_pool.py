@@ -118,8 +118,7 @@ class SGLangRolloutPool(SharedRolloutPool, AdapterPool):
     # -- RolloutPool -----------------------------------------------------------------------------------
     def _start(self, spec: PoolSpec) -> None:
         servers, launch = self.servers, self.launch
-        if self.takes_lora_adapters and servers.urls is None:
-            check_adapters_servable(launches_on_cpu(launch))
+        check_adapters_servable(self.takes_lora_adapters and servers.urls is None and launches_on_cpu(launch))
         if servers.urls is None:
             check_server_env(os.environ)  # an attached server's environment is its own (see the class docstring)
             if launch.command is None:  # the default command runs this Python's sglang
