@@ -31,6 +31,7 @@ class RouteNotFound(RuntimeError):
 
 
 RETRYABLE = (ServerError, OSError, asyncio.TimeoutError)  # OSError: ConnectionError included
+KEEPALIVE_S = 3.0  # how long an idle connection is kept for reuse: below SGLang's 5 s
 
 
 class HTTPClient:
@@ -49,8 +50,11 @@ class HTTPClient:
         self.closed = False
 
         async def open_session():
-            # no connection cap: all of an iteration's samples are in flight at once
-            return aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
+            # no connection cap: all of an iteration's samples are in flight at once. Idle connections are let go
+            # after 3 s, before SGLang's server closes them (5 s, SGLANG_TIMEOUT_KEEP_ALIVE): a request on one it is
+            # closing fails, and a /health probe failing so takes a live server for dead
+            connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=KEEPALIVE_S)
+            return aiohttp.ClientSession(connector=connector)
 
         self._session = self.run(open_session())
 
