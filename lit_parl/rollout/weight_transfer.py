@@ -6,7 +6,10 @@
   memory files (the ``file_system`` strategy), so a server on the same machine can open them. A CUDA
   handle names its device by index, which means another GPU in a server process that sees other
   ``CUDA_VISIBLE_DEVICES``: SGLang's own ``monkey_patch_torch_reductions`` (applied by its servers before
-  they unpickle) makes the device travel as its UUID, so the trainer applies it too before pickling.
+  they unpickle) makes the device travel as its UUID, so the trainer applies it too before pickling. A
+  shared-memory file's pickle also names the manager the reader must connect to: the pool's own
+  (``shm_manager``), which a server keeps connected while it lives, not the one libtorch started for the
+  trainer's process.
 - ``init_weight_update_group``: a process group of its own between the trainer (rank 0) and the
   servers' ranks, for ``/update_weights_from_distributed``. It is built like SGLang builds its side
   (TCP rendezvous, a store prefixed by the group name, a fresh process group), without touching the
@@ -27,14 +30,20 @@ from pathlib import Path
 
 import torch
 import torch.multiprocessing as torch_mp
+from torch.multiprocessing.reductions import rebuild_storage_filename
 
 from lit_parl.extras import require
+from lit_parl.rollout.shm_manager import ShmManager
 
 
-def serialize_named_tensors(named_tensors: list[tuple[str, torch.Tensor]]) -> str:
+def serialize_named_tensors(
+    named_tensors: list[tuple[str, torch.Tensor]], shm_manager: ShmManager | None = None
+) -> str:
     """``[(name, tensor)]`` as SGLang's ``MultiprocessingSerializer.serialize(..., output_str=True)`` writes it.
 
-    The caller must keep the tensors alive until the server has answered (it maps their memory).
+    The caller must keep the tensors alive until the server has answered (it maps their memory). CPU tensors
+    name ``shm_manager`` as their manager (without one, the manager libtorch started for this process, which
+    every reader then keeps alive as long as the reader lives).
     """
     if any(t.is_cuda for _, t in named_tensors):
         send_cuda_devices_by_uuid()
@@ -44,11 +53,28 @@ def serialize_named_tensors(named_tensors: list[tuple[str, torch.Tensor]]) -> st
         torch_mp.set_sharing_strategy("file_system")
     try:
         buffer = io.BytesIO()
-        ForkingPickler(buffer).dump(named_tensors)
+        pickler = ForkingPickler(buffer)
+        if on_cpu and shm_manager is not None:
+            pickler.dispatch_table = naming_manager(pickler.dispatch_table, shm_manager.handle())
+        pickler.dump(named_tensors)
     finally:
         if on_cpu:
             torch_mp.set_sharing_strategy(previous)
     return base64.b64encode(buffer.getvalue()).decode("ascii")
+
+
+def naming_manager(dispatch_table: dict, manager: bytes) -> dict:
+    """``dispatch_table`` with CPU storages shared by file name under ``manager``: torch's own reduction, its
+    manager field replaced (the reader's rebuild is torch's, which SGLang's unpickler admits)."""
+    reduce_storage = dispatch_table[torch.UntypedStorage]  # typed storages and tensors pickle their untyped one
+
+    def reduce(storage: torch.UntypedStorage):
+        rebuild, args = reduce_storage(storage)
+        if rebuild is rebuild_storage_filename:  # (cls, manager, file name, size)
+            args = (args[0], manager, *args[2:])
+        return rebuild, args
+
+    return {**dispatch_table, torch.UntypedStorage: reduce}
 
 
 def send_cuda_devices_by_uuid() -> None:

@@ -721,7 +721,9 @@ def test_each_tensor_parallel_rank_gets_its_own_payload(saved_model, monkeypatch
     model, spec, model_dir = saved_model
     calls = []
     real = weights.serialize_named_tensors
-    monkeypatch.setattr(weights, "serialize_named_tensors", lambda named: calls.append(len(named)) or real(named))
+    monkeypatch.setattr(
+        weights, "serialize_named_tensors", lambda named, *manager: calls.append(len(named)) or real(named, *manager)
+    )
     process, url = launch_standin(model_dir, "--tp-size", "2")
     try:
         pool = attached([url], tp_size=2)

@@ -35,6 +35,7 @@ from lit_parl.rollout.rollout_pool import WeightBucket
 from lit_parl.rollout.sglang.client import RETRYABLE, HTTPClient, RouteNotFound
 from lit_parl.rollout.sglang.servers import Server
 from lit_parl.rollout.sglang.settings import SYNC_METHODS, SyncSettings
+from lit_parl.rollout.shm_manager import ShmManager
 from lit_parl.rollout.weight_transfer import (
     BroadcastAbandoned,
     broadcast_from_trainer,
@@ -68,6 +69,7 @@ class WeightUpdater:
         self.dist = (settings.master_address, settings.master_port, settings.backend)
         self.group_name = settings.group_name
         self.group = None  # the weight-update process group, once the distributed method built it
+        self.shm = ShmManager()  # the manager CPU tensors' pickles name: the pool's, gone when it closes
         self.abandoned = False  # a refused update left a broadcast pending in the group
         # set by the pool: `await lose(server, error)` is True when `server`, which failed a call of the push, is down
         # and leaves the push (the rest goes on without it); None: every failure fails the push
@@ -132,7 +134,7 @@ class WeightUpdater:
             # one payload per tensor-parallel rank of each server, each pickled on its own: every rank unpickles
             # only its own (SGLang's TpModelWorker.deserialize_own_rank), and a CUDA IPC handle is counted per
             # unpickling
-            payloads = [serialize_named_tensors(shared) for _ in range(self.tp_size)]
+            payloads = [serialize_named_tensors(shared, self.shm) for _ in range(self.tp_size)]
             return {"serialized_named_tensors": payloads, **fields}
 
         self.client.run(self._each(servers, lambda s: self._update(s, "/update_weights_from_tensor", payload())))
@@ -301,6 +303,7 @@ class WeightUpdater:
     def close(self, servers: list[Server]) -> None:
         """Leave the weight-update group: the live ``servers`` destroy their side first (an attached server
         outlives this pool, and would otherwise keep the group's communicator), then the trainer."""
+        self.shm.stop()  # the manager the tensor updates named: an attached server would keep it alive
         if self.group is not None:
             payload = {"group_name": self.group_name}
 
