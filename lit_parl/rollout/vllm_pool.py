@@ -229,8 +229,7 @@ class VLLMRolloutPool(SpawnedWorkerPool, AdapterPool):
             )
 
     def _start(self, spec: PoolSpec) -> None:
-        check_vllm_installed()  # the devices next: resolved against the workers' environment, kept for replacements
-        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES")  # the workers' environment, kept for replacements
         self._worker_gpus = None if self.gpu_ids is None else visible_devices(self.gpu_ids, visible, "VLLMRolloutPool")
         if self.takes_lora_adapters or self.tensor_parallel_size > 1:  # adapters; the ranks' queues' socket files
             # in memory where there is some; removed at close (or when dropped), also what killed processes left
@@ -273,6 +272,7 @@ class VLLMRolloutPool(SpawnedWorkerPool, AdapterPool):
         return super()._generate(requests, sampling)
 
     def _engine(self, spec: PoolSpec, threads: int):
+        check_vllm_installed()  # before any worker starts: each would fail importing vLLM, with a traceback
         model_dir, placed = str(spec.model_dir), self.gpu_ids is not None
         return functools.partial(VLLMEngine, model_dir, self.engine_args, spec.eos_id, threads, placed, self._scratch)
 
