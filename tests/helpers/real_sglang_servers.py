@@ -1,6 +1,6 @@
 """Real SGLang servers on the CPU, started by a test rather than by a pool: the tests attach pools to them, read
 their logs and kill them. Each runs as ``pool=sglang`` launches one on a machine without a GPU
-(``servers.server_command`` with the CPU flags), in a session of its own, logging to a file.
+(``commands.server_command`` with the CPU flags), in a session of its own, logging to a file.
 
 uvicorn's access log (on at SGLang's default log level) names every request a server answered, in order: what the
 tests count (``answered``) to see what a real server received, not what the pool believes it sent.
@@ -15,7 +15,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from lit_parl.rollout.processes import die_with_parent
-from lit_parl.rollout.sglang.servers import server_command, stop_launched
+from lit_parl.rollout.sglang.commands import server_command
+from lit_parl.rollout.sglang.servers import stop_launched
 from lit_parl.rollout.sglang.settings import LaunchSettings
 
 

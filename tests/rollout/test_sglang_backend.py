@@ -48,8 +48,8 @@ from lit_parl.rollout.sglang import (
     SGLangRolloutPool,
     SyncSettings,
 )
+from lit_parl.rollout.sglang.commands import server_command
 from lit_parl.rollout.sglang.messages import Ends, parse_group
-from lit_parl.rollout.sglang.servers import server_command
 
 pytest.importorskip("aiohttp")
 

@@ -34,13 +34,8 @@ from sglang_router.launch_router import parse_router_args  # noqa: E402
 
 from lit_parl.rollout.sglang import LaunchSettings, SGLangRolloutPool  # noqa: E402
 from lit_parl.rollout.sglang.adapters import lora_launch_args  # noqa: E402
-from lit_parl.rollout.sglang.servers import (  # noqa: E402
-    CPU_SERVER,
-    Server,
-    router_command,
-    server_command,
-    warn_unseeded,
-)
+from lit_parl.rollout.sglang.commands import CPU_SERVER, router_command, server_command  # noqa: E402
+from lit_parl.rollout.sglang.servers import Server, warn_unseeded  # noqa: E402
 from lit_parl.rollout.sglang.settings import SERVER_DTYPES  # noqa: E402
 from sglang_contract.pool_run import free_port  # noqa: E402
 

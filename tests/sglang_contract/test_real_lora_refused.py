@@ -13,7 +13,7 @@ from sglang_contract.sglang_side import require_sglang
 require_sglang()
 
 from lit_parl.rollout.sglang import SGLangRolloutPool  # noqa: E402
-from lit_parl.rollout.sglang.servers import launches_on_cpu  # noqa: E402
+from lit_parl.rollout.sglang.commands import launches_on_cpu  # noqa: E402
 from sglang_contract.pool_run import free_port  # noqa: E402
 
 

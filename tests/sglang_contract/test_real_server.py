@@ -29,7 +29,7 @@ require_sglang()
 from lit_parl.models import tiny_qwen2  # noqa: E402
 from lit_parl.rollout.rollout_pool import FP32_LOGPROB_TOLERANCE  # noqa: E402
 from lit_parl.rollout.sglang import SGLangRolloutPool  # noqa: E402
-from lit_parl.rollout.sglang.servers import launches_on_cpu  # noqa: E402
+from lit_parl.rollout.sglang.commands import launches_on_cpu  # noqa: E402
 from lit_parl.trainer.guards import worst_group_mismatch  # noqa: E402
 from sglang_contract.pool_run import SAMPLINGS, STOP_TOKEN, free_port, group_requests  # noqa: E402
 

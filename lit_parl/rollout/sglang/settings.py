@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 from lit_parl.rollout.adapter_pool import check_adapter_mode
 
-LAUNCH_DEVICES = ("auto", "cuda", "cpu")  # lit_parl.rollout.sglang.servers.launches_on_cpu
+LAUNCH_DEVICES = ("auto", "cuda", "cpu")  # lit_parl.rollout.sglang.commands.launches_on_cpu
 SERVER_DTYPES = ("auto", "half", "float16", "bfloat16", "float", "float32")  # sglang.launch_server --dtype
 SYNC_METHODS = ("tensor", "distributed", "disk")  # lit_parl.rollout.sglang.weights
 
@@ -80,7 +80,7 @@ class LaunchSettings:
             the trainer numbers them (``lit_parl.rollout.gpu_placement``, as the vLLM pool reads them). ``None``:
             SGLang's default placement. A ``tensor`` sync needs the trainer's GPU visible to the server.
         device: where launched servers run: ``cuda``, ``cpu`` (SGLang's CPU platform, through
-            ``lit_parl.rollout.sglang.cpu_server`` with ``servers.CPU_ARGS``: float32, PyTorch attention) or
+            ``lit_parl.rollout.sglang.cpu_server`` with ``commands.CPU_ARGS``: float32, PyTorch attention) or
             ``auto``: the CPU where torch sees no GPU.
         dtype: on a GPU, the servers' ``--dtype``: ``bfloat16``, the trainer's compute precision under ``bf16-mixed``.
             SGLang's own default, ``auto``, serves a float32 checkpoint (the trainer saves one) in float16.

@@ -25,6 +25,13 @@ from lit_parl.rollout.records import GroupCompletions, GroupRequest, SamplingPar
 from lit_parl.rollout.rollout_pool import FP32_LOGPROB_TOLERANCE, PoolSpec, WeightBucket
 from lit_parl.rollout.sglang.adapters import AdapterLoader, check_adapters_servable, lora_launch_args
 from lit_parl.rollout.sglang.client import RETRYABLE, HTTPClient
+from lit_parl.rollout.sglang.commands import (
+    check_server_env,
+    launches_on_cpu,
+    router_command,
+    server_command,
+    warn_unseeded_on_cpu,
+)
 from lit_parl.rollout.sglang.generation import stream_groups
 from lit_parl.rollout.sglang.membership import Membership, why_fixed
 from lit_parl.rollout.sglang.messages import Ends, sample_payload
@@ -32,14 +39,9 @@ from lit_parl.rollout.sglang.servers import (
     Server,
     ServerFleet,
     answers_health,
-    check_server_env,
-    launches_on_cpu,
     reachable_url,
-    router_command,
-    server_command,
     stop_launched,
     warn_unseeded,
-    warn_unseeded_on_cpu,
 )
 from lit_parl.rollout.sglang.settings import (
     LaunchSettings,
@@ -277,7 +279,7 @@ class SGLangRolloutPool(SharedRolloutPool, AdapterPool):
         yield from stream_groups(self._client, self._fleet, requests, payload, ends, self.requests)
 
     def logprob_tolerance(self) -> float | None:
-        # launched on the CPU, the servers compute in float32, as a CPU trainer does (servers.CPU_ARGS)
+        # launched on the CPU, the servers compute in float32, as a CPU trainer does (commands.CPU_ARGS)
         cpu = self.servers.urls is None and launches_on_cpu(self.launch) and "--dtype" not in self.launch.args
         return FP32_LOGPROB_TOLERANCE if cpu else super().logprob_tolerance()
 
