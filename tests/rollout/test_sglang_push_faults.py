@@ -120,7 +120,7 @@ class FaultyPool(SGLangRolloutPool):
         self._fleet.attach(list(self.servers.urls))
         self._client = self.client
         self._weights = WeightUpdater(self.client, self.sync_dir, self.sync_dir, 1, self.sync)
-        self._weights.lose = self._lose_in_push
+        self._weights.fanout.lose = self._lose_in_push
 
 
 def test_a_server_that_dies_during_the_push_leaves_it_and_the_push_completes_on_the_others(tmp_path):

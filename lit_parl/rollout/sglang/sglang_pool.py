@@ -24,7 +24,7 @@ from lit_parl.rollout.gpu_placement import split_gpu_ids, visible_devices
 from lit_parl.rollout.records import GroupCompletions, GroupRequest, SamplingParams
 from lit_parl.rollout.rollout_pool import FP32_LOGPROB_TOLERANCE, PoolSpec, WeightBucket
 from lit_parl.rollout.sglang.adapters import AdapterLoader, check_adapters_servable, lora_launch_args
-from lit_parl.rollout.sglang.client import RETRYABLE, HTTPClient
+from lit_parl.rollout.sglang.client import HTTPClient
 from lit_parl.rollout.sglang.commands import (
     check_server_env,
     launches_on_cpu,
@@ -32,6 +32,7 @@ from lit_parl.rollout.sglang.commands import (
     server_command,
     warn_unseeded_on_cpu,
 )
+from lit_parl.rollout.sglang.fanout import leaves_push
 from lit_parl.rollout.sglang.generation import stream_groups
 from lit_parl.rollout.sglang.membership import Membership, why_fixed
 from lit_parl.rollout.sglang.messages import Ends, sample_payload
@@ -153,7 +154,7 @@ class SGLangRolloutPool(SharedRolloutPool, AdapterPool):
         self._client = HTTPClient(self.requests.timeout_s)
         sync_dir = self.sync.dir or Path(workdir) / "sync"
         self._weights = WeightUpdater(self._client, spec.model_dir, sync_dir, self.servers.tp_size, self.sync)
-        self._weights.lose = self._lose_in_push
+        self._weights.fanout.lose = self._lose_in_push
         self._adapters, self._adapter = AdapterLoader(self._weights, self.sync.max_lora_rank), None
         return fleet
 
@@ -206,25 +207,8 @@ class SGLangRolloutPool(SharedRolloutPool, AdapterPool):
                 )
 
     async def _lose_in_push(self, server: Server, error: BaseException) -> bool:
-        """Whether ``server``, which failed a call of the push with ``error``, is down: it then leaves this push, which
-        goes on with the others (the next push drops it, as one that fails a request). Not under the ``distributed``
-        sync: its group cannot lose a member."""
-        if self.sync.method == "distributed":
-            return False
-        if server.process is None or server.process.poll() is None:
-            try:
-                await self._client.get(server.url, "/health", timeout=5.0)
-                return False  # up, and it refused: the push's own error
-            except RETRYABLE:
-                pass
-        server.alive = False
-        warnings.warn(
-            f"SGLang server {server.url} failed during the weight push ({type(error).__name__}: {error}) and is down: "
-            "the push and the run go on with the other servers",
-            RuntimeWarning,
-            stacklevel=2,
-        )
-        return True
+        # not under the distributed sync: its group cannot lose a member
+        return self.sync.method != "distributed" and await leaves_push(self._client, server, error)
 
     def _change_membership(self, version: int) -> None:
         fleet, client, distributed = self._fleet, self._client, self.sync.method == "distributed"

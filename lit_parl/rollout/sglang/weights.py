@@ -32,7 +32,8 @@ from pathlib import Path
 import torch
 
 from lit_parl.rollout.rollout_pool import WeightBucket
-from lit_parl.rollout.sglang.client import RETRYABLE, HTTPClient, RouteNotFound
+from lit_parl.rollout.sglang.client import HTTPClient, RouteNotFound
+from lit_parl.rollout.sglang.fanout import ServerFanout
 from lit_parl.rollout.sglang.servers import Server
 from lit_parl.rollout.sglang.settings import SYNC_METHODS, SyncSettings
 from lit_parl.rollout.shm_manager import ShmManager
@@ -43,8 +44,6 @@ from lit_parl.rollout.weight_transfer import (
     save_shard,
     serialize_named_tensors,
 )
-
-LOST = object()  # what `_guarded` returns for a server that went down during the push and left it
 
 
 class WeightUpdater:
@@ -71,9 +70,7 @@ class WeightUpdater:
         self.group = None  # the weight-update process group, once the distributed method built it
         self.shm = ShmManager()  # the manager CPU tensors' pickles name: the pool's, gone when it closes
         self.abandoned = False  # a refused update left a broadcast pending in the group
-        # set by the pool: `await lose(server, error)` is True when `server`, which failed a call of the push, is down
-        # and leaves the push (the rest goes on without it); None: every failure fails the push
-        self.lose = None
+        self.fanout = ServerFanout()  # the pool sets its `lose`: which servers that fail a call leave the push
 
     def sync(
         self, method: str, servers: list[Server], everyone: list[Server], buckets: Iterable[WeightBucket], version: int
@@ -97,7 +94,7 @@ class WeightUpdater:
                 "tolerates losing a server"
             )
         run = self.client.run
-        run(self._each(servers, lambda s: self.client.post(s.url, "/pause_generation", {})))
+        run(self.fanout.each(servers, lambda s: self.client.post(s.url, "/pause_generation", {})))
         if method == "distributed" and self.group is None:
             self._init_group(servers, everyone)
         shards: dict[str, str] = {}
@@ -118,7 +115,7 @@ class WeightUpdater:
         except BaseException:
             run(self._close_quietly(opened))  # a server left in a session refuses the next one; the error is the sync's
             raise
-        run(self._each(opened, self._end))
+        run(self.fanout.each(opened, self._end))
         if not sent:
             raise ValueError("sync_weights got no buckets: nothing to load")
         if method == "disk":
@@ -137,7 +134,7 @@ class WeightUpdater:
             payloads = [serialize_named_tensors(shared, self.shm) for _ in range(self.tp_size)]
             return {"serialized_named_tensors": payloads, **fields}
 
-        self.client.run(self._each(servers, lambda s: self._update(s, "/update_weights_from_tensor", payload())))
+        self.client.run(self.fanout.each(servers, lambda s: self._update(s, "/update_weights_from_tensor", payload())))
 
     def _broadcast(self, servers: list[Server], bucket: WeightBucket, fields: dict) -> None:
         payload = {
@@ -149,7 +146,7 @@ class WeightUpdater:
         }
         # the servers receive while this thread sends: the requests go first, the broadcast meets them
         update = "/update_weights_from_distributed"
-        updates = self.client.submit(self._each(servers, lambda s: self._update(s, update, payload)))
+        updates = self.client.submit(self.fanout.each(servers, lambda s: self._update(s, update, payload)))
 
         def refused() -> BaseException | None:  # a server that fails its request will not join the broadcast
             error = updates.exception() if updates.done() else None
@@ -181,7 +178,7 @@ class WeightUpdater:
             offset = 1 + self.tp_size * everyone.index(server)  # rank 0 is the trainer
             return self._update(server, "/init_weights_update_group", {**body, "rank_offset": offset})
 
-        joined = self.client.submit(self._each(servers, join))
+        joined = self.client.submit(self.fanout.each(servers, join))
         try:
             self.group = init_weight_update_group(address, port, 0, world_size, self.group_name, backend)
         except BaseException:
@@ -196,7 +193,7 @@ class WeightUpdater:
         # the standard index of a sharded checkpoint: every loader reads exactly the shards it names
         (out / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": shards}))
         payload = {"model_path": str(out), "weight_version": str(version), "flush_cache": True}
-        self.client.run(self._each(servers, lambda s: self._update(s, "/update_weights_from_disk", payload)))
+        self.client.run(self.fanout.each(servers, lambda s: self._update(s, "/update_weights_from_disk", payload)))
         for old in self.sync_dir.glob("version_*"):  # keep only the weights the servers now hold
             if old != out:
                 shutil.rmtree(old, ignore_errors=True)
@@ -204,10 +201,10 @@ class WeightUpdater:
     async def _open_sessions(self, servers: list[Server]) -> list[Server]:
         """Open a weight-update session on each server that has them; return those. If one fails, the ones
         opened are closed before the error is raised."""
-        results = await asyncio.gather(*(self._guarded(self._begin, s) for s in servers), return_exceptions=True)
+        results = await asyncio.gather(*(self.fanout.guarded(self._begin, s) for s in servers), return_exceptions=True)
         opened = [s for s, result in zip(servers, results) if result is True]
         failed = [result for result in results if isinstance(result, BaseException)]
-        self._leave(servers, results)
+        self.fanout.leave(servers, results)
         if failed:
             await self._close_quietly(opened)
             raise failed[0]
@@ -250,16 +247,16 @@ class WeightUpdater:
         return answer.get("weight_version") if isinstance(answer, dict) else answer
 
     async def _confirm(self, servers: list[Server], version: int) -> None:
-        await self._each(servers, lambda s: self.client.post(s.url, "/flush_cache", {}))
+        await self.fanout.each(servers, lambda s: self.client.post(s.url, "/flush_cache", {}))
         await self._check_reported(servers, version)
-        await self._each(servers, lambda s: self.client.post(s.url, "/continue_generation", {}))
+        await self.fanout.each(servers, lambda s: self.client.post(s.url, "/continue_generation", {}))
 
     def check_reported(self, servers: list[Server], version: int) -> None:
         """Raise unless every one of ``servers`` reports ``version`` (a sync another rank's pool made)."""
         self.client.run(self._check_reported(servers, version))
 
     async def _check_reported(self, servers: list[Server], version: int) -> None:
-        reported = await self._each(servers, self.reported_version)
+        reported = await self.fanout.each(servers, self.reported_version)
         wrong = [(s.url, got) for s, got in zip(servers, reported) if got != str(version)]
         if wrong:
             raise RuntimeError(
@@ -271,34 +268,6 @@ class WeightUpdater:
         answer = await self.client.post(server.url, path, payload)
         if not isinstance(answer, dict) or not answer.get("success", False):
             raise RuntimeError(f"{server.url}{path} failed: {answer}")
-
-    async def _each(self, servers: list[Server], call) -> list:
-        """``call`` on every server at once; those that fail it and are down (``lose``) leave ``servers``, in place,
-        so the rest of the push skips them. Returns the others' answers, in their order."""
-        results = await asyncio.gather(*(self._guarded(call, s) for s in servers))
-        self._leave(servers, results)
-        return [result for result in results if result is not LOST]
-
-    @staticmethod
-    def _leave(servers: list[Server], results: list) -> None:
-        """Take the servers whose result is ``LOST`` out of ``servers``, in place; raise if none is left."""
-        lost = [s.url for s, result in zip(servers, results) if result is LOST]
-        if lost:
-            servers[:] = [s for s, result in zip(servers, results) if result is not LOST]
-            if not servers:
-                raise RuntimeError(
-                    f"SGLang server(s) {lost} failed during the weight push and are down: no live server is left. "
-                    "Start servers, list them (pool.servers.urls) and resume from the last checkpoint"
-                )
-
-    async def _guarded(self, call, server: Server):
-        """``call(server)``, or ``LOST`` when it failed as a server that went down fails and ``lose`` dropped it."""
-        try:
-            return await call(server)
-        except RETRYABLE as error:
-            if self.lose is None or not await self.lose(server, error):
-                raise
-            return LOST
 
     def close(self, servers: list[Server]) -> None:
         """Leave the weight-update group: the live ``servers`` destroy their side first (an attached server
