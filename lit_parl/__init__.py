@@ -4,13 +4,14 @@ import os
 
 # Idle OpenMP threads must sleep, not spin: the trainer and the rollout workers are separate processes on
 # the same cores, and a process waiting on the other with spinning threads takes the cores it waits for
-# (measured: sync mode at 14 instead of ~1,000 completions/s). But a thread that sleeps at once between two
-# operations of one step is woken for each next one, and on two threads a decode step then took up to 1.7x as
-# long as on one: so they spin for about a millisecond first (libgomp's GOMP_SPINCOUNT, which wins over the passive
-# policy; docs/performance.md, "Cores follow the work"). Read when torch loads, so set before torch is
-# imported; the spawned workers inherit both. The user's OMP_WAIT_POLICY or GOMP_SPINCOUNT wins.
+# (measured: sync mode at 14 instead of ~1,000 completions/s). A thread that sleeps at once between two operations
+# of one step is woken for each next one, so they spin briefly first (libgomp's GOMP_SPINCOUNT, which wins over the
+# passive policy): 1000, about 10 us. A longer spin (100000, about 1 ms) was faster by up to 1.2x on a quiet machine
+# for big policies, but where another process takes a core a two-thread team spins for its descheduled partner:
+# sync mode then ran 6-15x slower (docs/performance.md, "OpenMP's spin"). Read when torch loads, so set before torch
+# is imported; the spawned workers inherit both. The user's OMP_WAIT_POLICY or GOMP_SPINCOUNT wins.
 if "OMP_WAIT_POLICY" not in os.environ and "GOMP_SPINCOUNT" not in os.environ:
-    os.environ["GOMP_SPINCOUNT"] = "100000"
+    os.environ["GOMP_SPINCOUNT"] = "1000"
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import logging  # noqa: E402

@@ -1,7 +1,7 @@
 """One thread against two, with and without OpenMP's spin: a chunk's decode and a micro-batch's training step.
 
 Each setting runs in a fresh process (OpenMP reads its environment once, when torch loads): ``GOMP_SPINCOUNT=0``
-(a plain passive policy: an idle thread sleeps at once) and ``100000`` (lit_parl's default, about 1 ms of spin).
+(a plain passive policy: an idle thread sleeps at once) and ``100000`` (about 1 ms of spin; lit_parl sets 1000).
 In each, for the copy task's models h128 and h256 x 4 (benchmarks/vs_trl), it times at 1 and 2 torch threads:
 - decode: ``sample_groups`` of one chunk, 8 prompts x G = 8, 12 new tokens (what a rollout worker does);
 - train: forward and backward of 64 rows of 40 tokens (a padded micro-batch of the trainer's size).
