@@ -1,6 +1,6 @@
 """SGLang's server on the CPU: ``python path/to/cpu_server.py <sglang.launch_server arguments>``.
 
-What the SGLang pool launches on a machine without a GPU (``servers.cpu_launch_args`` gives the flags). It runs
+What the SGLang pool launches on a machine without a GPU (``commands.CPU_ARGS`` gives the flags). It runs
 by path, not with ``-m``: then nothing of lit_parl is imported before the mends below (``lit_parl.rollout``
 imports transformers, which imports torchvision). A plain
 ``python -m sglang.launch_server`` fails there in two ways that this module mends at import, before SGLang is
