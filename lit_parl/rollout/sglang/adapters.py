@@ -101,7 +101,7 @@ class AdapterLoader:
             "serialized_named_tensors": [serialize_adapter(tensors)] * self.weights.tp_size,
         }
         weights, previous = self.weights, self.loaded
-        run, each = weights.client.run, weights._each
+        run, each = weights.client.run, weights.fanout.each
 
         async def load_on(server: Server) -> None:
             try:
