@@ -57,12 +57,13 @@ def require_sglang() -> None:
 
 
 def import_sglang() -> None:
-    """Import SGLang's server code, after the torchvision shim (``cpu_shim``); raises if any of it does not import."""
+    """Import SGLang's server code, after torchvision is made importable as the CPU server does it
+    (``lit_parl.rollout.sglang.cpu_torchvision``); raises if any of it does not import."""
     import warnings
 
-    from sglang_contract import cpu_shim
+    from lit_parl.rollout.sglang import cpu_torchvision
 
-    cpu_shim.install()
+    cpu_torchvision.make_importable()
     with warnings.catch_warnings():  # its notices that kernels need a GPU: nothing here runs them
         warnings.filterwarnings("ignore", r"(Only CUDA|Triton is not supported)", UserWarning)
         import sglang.api.v1.api_types  # noqa: F401
