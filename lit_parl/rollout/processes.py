@@ -2,7 +2,8 @@
 
 Every backend launches processes (spawned workers, inference servers); none may outlive the trainer,
 whether it closes the pool, fails, or is SIGKILLed. These helpers are the Linux side of that promise:
-``die_with_parent`` (the kernel kills a child whose parent died), the descendants of a process read from
+``die_with_parent`` (the kernel kills a child whose parent died; ``dying_with_parent`` wraps a command the trainer
+starts so), the descendants of a process read from
 ``/proc`` (an engine may start processes of its own, which are re-parented once it has gone), and
 ``stop_workers``, which asks spawned workers to stop and kills what is left. And one check for when a
 spawned worker dies at once: ``unguarded_main_script`` (spawned workers import the user's script again).
@@ -25,6 +26,7 @@ import sys
 import threading
 import time
 import traceback
+from collections.abc import Sequence
 from pathlib import Path
 
 from lit_parl.rollout.worker_messages import Exited, Stop, Unreadable, WorkerError
@@ -36,6 +38,32 @@ def die_with_parent() -> None:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG = 1
     except OSError:
         pass  # not Linux: a spawned worker still exits when it sees its parent gone
+
+
+# Sets the parent-death signal, checks that the parent is still the one that started it (it may have died before
+# the signal was set), then becomes the command: the signal survives exec.
+_DIE_WITH_PARENT_THEN_EXEC = """\
+import ctypes, os, signal, sys
+try:
+    ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)
+except OSError:
+    pass
+if os.getppid() != int(sys.argv[1]):
+    os._exit(1)
+os.execvp(sys.argv[2], sys.argv[2:])
+"""
+
+
+def dying_with_parent(command: Sequence[str]) -> list[str]:
+    """``command``, started through a small interpreter that asks Linux to SIGKILL it when the thread that started
+    it exits (the trainer's death, however it dies), then execs it.
+
+    Not ``Popen(preexec_fn=die_with_parent)``: a ``preexec_fn`` runs Python in the forked child of a threaded trainer,
+    and CPython first frees the other threads' states there; freeing what they held (a gloo process group cached by
+    torch, once) can wait forever on a lock whose owner thread does not exist in the child. The child must go
+    straight to exec, which ``Popen`` without ``preexec_fn`` does.
+    """
+    return [sys.executable, "-I", "-S", "-c", _DIE_WITH_PARENT_THEN_EXEC, str(os.getpid()), *command]
 
 
 def process_table() -> dict[int, tuple[int, int]]:

@@ -31,7 +31,7 @@ from pathlib import Path
 
 import torch
 
-from lit_parl.rollout.processes import die_with_parent
+from lit_parl.rollout.processes import dying_with_parent
 
 START_TIMEOUT_S = 30.0
 
@@ -79,11 +79,10 @@ def _start(state: dict) -> bytes:
         # manager has exited, so only the trainer's own death (or stop) ends the manager
         try:
             state["process"] = subprocess.Popen(
-                [str(manager_executable())],
+                dying_with_parent([str(manager_executable())]),
                 stdin=subprocess.DEVNULL,
                 stdout=subprocess.PIPE,
                 stderr=subprocess.DEVNULL,  # never the caller's: it would hold the caller's pipe open
-                preexec_fn=die_with_parent,
             )
         except BaseException as error:  # noqa: BLE001 - raised on the caller's thread
             state["error"] = error

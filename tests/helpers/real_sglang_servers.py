@@ -14,7 +14,7 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
-from lit_parl.rollout.processes import die_with_parent
+from lit_parl.rollout.processes import dying_with_parent
 from lit_parl.rollout.sglang.commands import server_command
 from lit_parl.rollout.sglang.servers import stop_launched
 from lit_parl.rollout.sglang.settings import LaunchSettings
@@ -47,7 +47,7 @@ def start_servers(model_dir: Path, ports: list[int], logs: Path, timeout_s: floa
         log = logs / f"server_{port}.log"
         with open(log, "wb") as out:
             process = subprocess.Popen(
-                command, stdout=out, stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=die_with_parent
+                dying_with_parent(command), stdout=out, stderr=subprocess.STDOUT, start_new_session=True
             )
         started.append(RealServer(f"http://{launch.host}:{port}", process, log))
     deadline = time.monotonic() + timeout_s

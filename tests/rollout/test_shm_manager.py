@@ -174,12 +174,14 @@ weights, manager = torch.arange(4.0), ShmManager()
 print(serialize_named_tensors([("w", weights)], manager), flush=True)
 sys.stdin.read()
 """
-# a server that unpickles an update, drops its tensors (as SGLang does before answering) and lives on
+# a server that unpickles an update, drops its tensors before answering (as SGLang's scheduler does: dropping one
+# tells the manager, which a trainer killed after the answer no longer runs) and lives on
 SERVER = """
 import sys
 from lit_parl.rollout.weight_transfer import deserialize_named_tensors
 [(_, tensor)] = deserialize_named_tensors(sys.stdin.readline())
-print(float(tensor.sum()), flush=True)
+total = float(tensor.sum())
 del tensor
+print(total, flush=True)
 sys.stdin.read()
 """

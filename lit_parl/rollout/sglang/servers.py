@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from lit_parl.errors import PoolStartError
-from lit_parl.rollout.processes import die_with_parent
+from lit_parl.rollout.processes import dying_with_parent
 from lit_parl.rollout.sglang.client import RETRYABLE, HTTPClient, RouteNotFound
 
 if TYPE_CHECKING:
@@ -105,12 +105,7 @@ class ServerFleet:
         with open(log_path, "wb") as log:
             # a session of its own: stop_launched stops the server's whole process tree with one signal
             process = LaunchedProcess(
-                command,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                env=env,
-                start_new_session=True,
-                preexec_fn=die_with_parent,
+                dying_with_parent(command), stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
             )
         return Server(url=url, process=process, log_path=log_path)
 
