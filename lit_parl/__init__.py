@@ -39,7 +39,9 @@ _EXPORTS = {
     "Packing": "lit_parl.data.micro_batch",
     "PromptFormat": "lit_parl.prompts.prompt_format",
     "PromptRow": "lit_parl.prompts.prompt_row",
+    "JudgeReward": "lit_parl.rewards.judge",
     "Reward": "lit_parl.rewards.reward",
+    "RewardModel": "lit_parl.rewards.reward_model",
     "RolloutDataModule": "lit_parl.data.rollout_datamodule",
     "SamplingParams": "lit_parl.rollout.records",
     "ScoringPolicy": "lit_parl.rewards.scoring_policy",
@@ -47,6 +49,7 @@ _EXPORTS = {
     "WarmupSchedule": "lit_parl.trainer.warmup_schedule",
     "pretrained": "lit_parl.models.local_files",
     "tiny_qwen2": "lit_parl.models.tiny",
+    "tiny_reward_model": "lit_parl.models.tiny",
 }
 __all__ = sorted(_EXPORTS)
 

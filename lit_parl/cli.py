@@ -26,7 +26,7 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig
 from omegaconf.errors import OmegaConfBaseException
 
-from lit_parl.errors import PoolStartError
+from lit_parl.errors import EndpointError, PoolStartError
 from lit_parl.extras import require_installed
 from lit_parl.override_checks import override_error
 
@@ -196,7 +196,7 @@ def run(cfg: DictConfig) -> dict:
 
 
 # Refusals of a bad setting, file or data row: lit_parl raises these with a message that names the fix
-_REFUSALS = (ValueError, FileNotFoundError, ImportError, OmegaConfBaseException, PoolStartError)
+_REFUSALS = (ValueError, FileNotFoundError, ImportError, OmegaConfBaseException, PoolStartError, EndpointError)
 # found without importing them (lit_parl.callbacks loads Lightning)
 _OWN_CODE = tuple(
     Path(path).resolve()

@@ -54,7 +54,8 @@ class GroupScorer:
         rewards: ``lit_parl.rewards.Reward``s (weights and names) or plain functions (weight 1).
         tokenizer: decodes completions for rewards that read text; its end token is the ``eos_id`` field.
         workers: threads that score groups concurrently (rewards that release the GIL, or wait on a
-            verifier, gain from more than one); 0 scores inline in the consumer's thread.
+            verifier, gain from more than one); 0 scores inline in the consumer's thread; ``None``: the
+            largest ``concurrent_groups`` of the rewards (a reward model's or a judge's; 0 for plain functions).
         policy: timeout and error handling of each reward call.
     """
 
@@ -62,7 +63,7 @@ class GroupScorer:
         self,
         rewards: Sequence[Reward | Callable],
         tokenizer: PreTrainedTokenizerBase,
-        workers: int = 0,
+        workers: int | None = None,
         policy: ScoringPolicy | None = None,
     ) -> None:
         if callable(rewards) or isinstance(rewards, Reward):
@@ -76,6 +77,8 @@ class GroupScorer:
                 f"two rewards share a name in {names}: "
                 "give each its own (Reward(name=...)); each is logged as reward/<name>"
             )
+        if workers is None:
+            workers = max(r.concurrent_groups for r in self.rewards)
         if workers < 0:
             raise ValueError(f"GroupScorer(workers={workers}) must be >= 0 (0: score inline, in the consumer's thread)")
         self.tokenizer = tokenizer
@@ -91,7 +94,7 @@ class GroupScorer:
         row, fields = drawn.row, self._fields
         texts = (
             self.tokenizer.batch_decode(completions.completions, skip_special_tokens=True)
-            if "completion" in fields or ("turns" in fields and completions.episodes is None)
+            if "completion" in fields or (completions.episodes is None and {"turns", "conversation"} & fields)
             else None
         )
         episodes = completions.episodes
@@ -115,8 +118,12 @@ class GroupScorer:
                 sample["messages"] = [dict(m) for m in row.messages] if row.is_chat else None
             if "env_reward" in fields:
                 sample["env_reward"] = 0.0 if episodes is None else episodes[k].env_reward
-            if "turns" in fields:
-                sample["turns"] = [("assistant", texts[k])] if episodes is None else list(episodes[k].turns)
+            if "turns" in fields or "conversation" in fields:
+                turns = [("assistant", texts[k])] if episodes is None else list(episodes[k].turns)
+                sample["turns"] = turns
+            if "conversation" in fields:
+                head = [dict(m) for m in row.messages] if row.is_chat else [{"role": "user", "content": row.prompt}]
+                sample["conversation"] = head + [{"role": role, "content": text} for role, text in turns]
             samples.append(sample)
         return samples
 
@@ -166,7 +173,19 @@ class GroupScorer:
 
         yield from Beside(read_pool, "lit_parl-pool-reader")
 
+    def state_dict(self) -> dict:
+        """What rewards with a state keep across a checkpoint (a running normalisation), by reward name."""
+        return {r.name: r.state_dict() for r in self.rewards if hasattr(r, "state_dict")}
+
+    def load_state_dict(self, state: dict) -> None:
+        for reward in self.rewards:
+            if reward.name in state and hasattr(reward, "load_state_dict"):
+                reward.load_state_dict(state[reward.name])
+
     def close(self) -> None:
         if self._executor is not None:
             self._executor.shutdown(wait=False, cancel_futures=True)
             self._executor = None
+        for reward in self.rewards:
+            if hasattr(reward, "close"):
+                reward.close()  # a reward model's thread, a judge's connections

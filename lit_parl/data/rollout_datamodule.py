@@ -77,7 +77,8 @@ class RolloutDataModule(LightningDataModule):
             async on the CPU with a policy of ``LEND_FROM_PARAMETERS`` or more (``worth_lending``).
         score_workers: threads of their own that score groups (for slow rewards, e.g. verifiers); 0 scores
             each group where the batcher runs: in the prefetch thread when it is on, else between steps (the
-            first micro-batch's groups in the thread that starts the iteration).
+            first micro-batch's groups in the thread that starts the iteration); ``None``: what the rewards ask
+            for (``Reward.concurrent_groups``: a reward model's or a judge's, else 0).
         prompt_format: raw text or the chat template, and the prompt length policy (``PromptFormat`` or its fields).
         scoring: each reward call's timeout and error policy (``ScoringPolicy`` or its fields).
         evaluation: when and how much to evaluate on held-out prompts (``EvalSettings`` or its fields; they
@@ -110,7 +111,7 @@ class RolloutDataModule(LightningDataModule):
         prefetch: bool | None = None,
         trainer_threads: int | None = None,
         lend_cores: bool | None = None,
-        score_workers: int = 0,
+        score_workers: int | None = None,
         logprob_tolerance: float | str | None = "auto",
         prompt_format: PromptFormat | dict | None = None,
         scoring: ScoringPolicy | dict | None = None,
@@ -228,12 +229,14 @@ class RolloutDataModule(LightningDataModule):
     def state_dict(self) -> dict:
         done = self.iterations_done
         resume = ResumePoint.saved(self.trainer, self.share, done)
-        return {**self.schedule.state_dict(), **self.gate.state_dict(), "iterations_done": done, **resume}
+        state = {**self.schedule.state_dict(), **self.gate.state_dict(), "iterations_done": done, **resume}
+        return {**state, "rewards": self.scorer.state_dict()}
 
     def load_state_dict(self, state_dict: dict) -> None:
         self.schedule.load_state_dict(state_dict)
         self.gate.load_state_dict(state_dict)
         self.iterations_done = state_dict["iterations_done"]
+        self.scorer.load_state_dict(state_dict.get("rewards", {}))  # absent in checkpoints of older versions
         self.resume.load(state_dict, self.share)
 
     @property

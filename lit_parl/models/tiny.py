@@ -1,11 +1,40 @@
-"""The embedded default's policy: a tiny random-init Qwen2 with a one-token-per-character tokenizer."""
+"""The embedded default's policy: a tiny random-init Qwen2 with a one-token-per-character tokenizer; and its reward
+model counterpart (a one-logit sequence classifier on the same tokenizer) for learned rewards made here."""
 
 from __future__ import annotations
 
 import torch
-from transformers import AutoModelForCausalLM, PreTrainedModel, PreTrainedTokenizerBase, Qwen2Config
+from transformers import (
+    AutoModelForCausalLM,
+    AutoModelForSequenceClassification,
+    PreTrainedModel,
+    PreTrainedTokenizerBase,
+    Qwen2Config,
+)
 
 from lit_parl.models.char_tokenizer import VOCABULARIES, build_char_tokenizer
+
+
+def _config(tokenizer, hidden_size, num_layers, num_heads, num_kv_heads, intermediate_size, max_position_embeddings):
+    return Qwen2Config(
+        vocab_size=len(tokenizer),
+        hidden_size=hidden_size,
+        intermediate_size=intermediate_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=num_heads,
+        num_key_value_heads=num_kv_heads,
+        max_position_embeddings=max_position_embeddings,
+        tie_word_embeddings=True,
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        bos_token_id=None,
+    )
+
+
+def _tokenizer(vocabulary: str, what: str) -> PreTrainedTokenizerBase:
+    if vocabulary not in VOCABULARIES:
+        raise ValueError(f"{what}(vocabulary={vocabulary!r}): choose one of {sorted(VOCABULARIES)}")
+    return build_char_tokenizer(VOCABULARIES[vocabulary])
 
 
 def tiny_qwen2(
@@ -21,23 +50,35 @@ def tiny_qwen2(
     """A random-init Qwen2 with the project's character tokenizer (no download). ``vocabulary``: ``basic``
     (digits, lowercase letters, the digit tasks' signs) or ``ascii`` (every printable ASCII character, for
     text prompts; the ids of ``basic``'s characters kept, the model's random weights not)."""
-    if vocabulary not in VOCABULARIES:
-        raise ValueError(f"tiny_qwen2(vocabulary={vocabulary!r}): choose one of {sorted(VOCABULARIES)}")
-    tokenizer = build_char_tokenizer(VOCABULARIES[vocabulary])
-    config = Qwen2Config(
-        vocab_size=len(tokenizer),
-        hidden_size=hidden_size,
-        intermediate_size=intermediate_size,
-        num_hidden_layers=num_layers,
-        num_attention_heads=num_heads,
-        num_key_value_heads=num_kv_heads,
-        max_position_embeddings=max_position_embeddings,
-        tie_word_embeddings=True,
-        pad_token_id=tokenizer.pad_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        bos_token_id=None,
+    tokenizer = _tokenizer(vocabulary, "tiny_qwen2")
+    config = _config(
+        tokenizer, hidden_size, num_layers, num_heads, num_kv_heads, intermediate_size, max_position_embeddings
     )
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="sdpa")
+    return model, tokenizer
+
+
+def tiny_reward_model(
+    hidden_size: int = 64,
+    num_layers: int = 2,
+    num_heads: int = 4,
+    num_kv_heads: int = 4,
+    intermediate_size: int = 256,
+    max_position_embeddings: int = 512,
+    seed: int = 0,
+    vocabulary: str = "basic",
+) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """A random-init Qwen2 sequence classifier with one label (a reward model's logit) and the character tokenizer:
+    what the tests and ``benchmarks/rewards`` train and score with (``lit_parl.rewards.RewardModel`` reads it once
+    saved with ``save_pretrained``)."""
+    tokenizer = _tokenizer(vocabulary, "tiny_reward_model")
+    config = _config(
+        tokenizer, hidden_size, num_layers, num_heads, num_kv_heads, intermediate_size, max_position_embeddings
+    )
+    config.num_labels = 1
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = AutoModelForSequenceClassification.from_config(config, dtype=torch.float32, attn_implementation="sdpa")
     return model, tokenizer

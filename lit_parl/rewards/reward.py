@@ -20,6 +20,9 @@ parameter           type            what it holds
 ``env_reward``      ``float``       a multi-turn episode's environment rewards, summed (0.0 without one)
 ``turns``           ``list``        the episode's turns as ``(role, text)`` pairs, the model's role
                                     ``"assistant"`` (one such turn for a single-turn sample)
+``conversation``    ``list[dict]``  the whole exchange as chat messages (``role``, ``content``): the
+                                    row's messages (a raw prompt as one user turn), then ``turns``;
+                                    what a reward model or a judge reads through its own template
 ==================  ==============  ===============================================================
 
 It returns a number (``float``, ``int`` or ``bool``), or a ``dict`` of named numbers: the reward is
@@ -64,8 +67,9 @@ REWARD_FIELDS = (
     "prompt_id",
     "env_reward",
     "turns",
+    "conversation",
 )
-TEXT_FIELDS = ("prompt", "completion")  # decoded only when a reward asks for them
+TEXT_FIELDS = ("prompt", "completion", "turns", "conversation")  # decoded only when a reward asks for them
 
 
 class RewardError(RuntimeError):
@@ -110,7 +114,13 @@ class Reward:
         name: the metric name (``reward/<name>``); default the function's name.
         weight: its factor in the total reward (the sum over rewards of weight x value).
         batched: called once per group with lists (default: the callable's own ``batched`` attribute, else False).
+
+    A subclass may set ``concurrent_groups``: how many groups it should be given at once (a reward model batches
+    their samples together; a judge overlaps their requests). With ``score_workers`` left ``None`` the scorer
+    runs as many threads as the largest such number (0, the default: each group scored where the batcher runs).
     """
+
+    concurrent_groups: int = 0
 
     def __init__(
         self, fn: Callable | str, name: str | None = None, weight: float = 1.0, batched: bool | None = None

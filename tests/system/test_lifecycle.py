@@ -667,7 +667,7 @@ def test_module_help_from_repo_root():
     assert "== Configuration groups ==" in run.stdout, run.stdout[-3000:]
     assert (
         "data: calculator, copy, countdown, gsm8k_format, guess_number, jsonl, reverse" in run.stdout
-        and "reward: countdown, environment, format, gsm8k, math, positional" in run.stdout
+        and "reward: countdown, environment, format, gsm8k, judge, math, model, positional" in run.stdout
         and "env: calculator, guess_number, none" in run.stdout
     ), run.stdout[-3000:]
 

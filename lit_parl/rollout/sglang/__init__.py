@@ -13,6 +13,7 @@ and talks to them through SGLang's native HTTP API. One job per module:
   by the weight version every server reports (``/model_info``), the first two inside SGLang's weight-update
   sessions.
 - ``messages``: the ``/generate`` request of one sample, and the checks on a group's answers.
+- ``judge_server``: ``JudgeLaunch``, an SGLang server of its own for an LLM judge (``lit_parl.rewards.JudgeReward``).
 
 Generation: one ``POST /generate`` per sample, all of the iteration's samples in flight at once, each
 group handed to the trainer, unscored, the moment its G samples are finished, stamped with the
