@@ -96,6 +96,11 @@ class JudgeEndpoint:
             with urllib.request.urlopen(request, timeout=timeout_s) as answer:
                 listed = json.loads(answer.read())
         except urllib.error.HTTPError as error:
+            if error.code in (401, 403):
+                raise EndpointError(
+                    f"the judge's endpoint {self.url} refused the request (HTTP {error.code}): it wants a key; set "
+                    "reward.<name>.api_key_env to the environment variable that holds it"
+                ) from None
             raise EndpointError(
                 f"the judge's endpoint {self.url} answered GET /v1/models with HTTP {error.code}: is it an "
                 "OpenAI-compatible server (SGLang, vLLM)? Check reward.<name>.url"

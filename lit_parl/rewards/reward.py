@@ -121,6 +121,7 @@ class Reward:
     """
 
     concurrent_groups: int = 0
+    failure_reported: bool = False  # set by score_group once it has reported this reward's first failure
 
     def __init__(
         self, fn: Callable | str, name: str | None = None, weight: float = 1.0, batched: bool | None = None

@@ -20,8 +20,10 @@ Example::
     >>> from lit_parl.rewards.reward import Reward
     >>> def length(completion_ids): return len(completion_ids)
     >>> def broken(completion_ids): raise ValueError("verifier down")
-    >>> scored = score_group([Reward(length), Reward(broken, weight=0.5)], [{"completion_ids": [1, 2]}],
-    ...                      ScoringPolicy(on_error="score", error_score=-1.0), prompt_id=7)
+    >>> import warnings
+    >>> with warnings.catch_warnings(record=True):  # a reward's first failure is also reported, as a warning
+    ...     scored = score_group([Reward(length), Reward(broken, weight=0.5)], [{"completion_ids": [1, 2]}],
+    ...                          ScoringPolicy(on_error="score", error_score=-1.0), prompt_id=7)
     >>> scored.totals, scored.failures
     ([1.5], {'broken': [0]})
 """
@@ -32,6 +34,7 @@ import asyncio
 import math
 import threading
 import traceback
+import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -205,6 +208,16 @@ def score_group(
                     f"reward {reward.name!r} {result.why} on prompt {prompt_id}, sample {k}; "
                     f"set scoring.on_error=score to score such samples {policy.error_score} instead "
                     f"(counted as reward/{reward.name}/failures)" + (f"\n{result.detail}" if result.detail else "")
+                )
+            if not reward.failure_reported:  # once per reward: the counter says how often, this says why
+                reward.failure_reported = True
+                warnings.warn(
+                    f"reward {reward.name!r} {result.why} on prompt {prompt_id}, sample {k}; such samples score "
+                    f"{policy.error_score} (scoring.on_error=score), counted as reward/{reward.name}/failures. "
+                    "Later failures of this reward are counted without this message"
+                    + (f"\n{result.detail}" if result.detail else ""),
+                    RuntimeWarning,
+                    stacklevel=2,
                 )
             scored.failures.setdefault(reward.name, []).append(k)
             scored.totals[k] += reward.weight * policy.error_score

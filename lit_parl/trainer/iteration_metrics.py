@@ -140,15 +140,31 @@ class IterationMetrics(torch.nn.Module):
             values["reward_std"] = (values.pop("reward_sq") - values["reward"] ** 2).clamp(min=0).sqrt()
         for name, value in values.items():
             module.log(_LOGGED_AS.get(name, name), value, prog_bar=name == "reward")
-        for name, (
-            total,
-            count,
-        ) in self._reward_sums.items():  # every rank logs the same names: they come from the rewards
-            module.log(f"reward/{name}", total / max(count, 1), sync_dist=True)
-        for name in self._reward_sums:  # summed over ranks: every rank logs every reward's count, 0 included
-            module.log(
-                f"reward/{name}/failures", float(self._reward_failures.get(name, 0)), sync_dist=True, reduce_fx="sum"
-            )
+        self._log_rewards(module, trainer)
         self._reward_sums, self._reward_failures = {}, {}
         for metric in self.aggregates.values():
             metric.reset()
+
+    def _log_rewards(self, module, trainer) -> None:
+        """``reward/<name>``, each reward's mean over the samples it scored on every rank, and
+        ``reward/<name>/failures``, its failed calls summed over ranks. A reward that failed on every sample still
+        logs its failures (its mean, of no sample, is not logged): a reward whose every call fails must be seen.
+        Every rank logs the same names, the union of what any rank saw."""
+        names = set(self._reward_sums) | set(self._reward_failures)
+        several = trainer is not None and trainer.world_size > 1
+        if several:
+            seen: list = [None] * trainer.world_size
+            torch.distributed.all_gather_object(seen, sorted(names))
+            names = set().union(*seen)
+        if not names:
+            return
+        names = sorted(names)
+        rows = [[*self._reward_sums.get(n, (0.0, 0)), self._reward_failures.get(n, 0)] for n in names]
+        totals = torch.tensor(rows, dtype=torch.float32, device=module.device)
+        if several:
+            totals = trainer.strategy.reduce(totals, reduce_op="sum")
+        for name, (total, count, failures) in zip(names, totals.tolist()):
+            # already reduced: the same value on every rank, so sync_dist's mean leaves it as it is
+            if count:
+                module.log(f"reward/{name}", total / count, sync_dist=True)
+            module.log(f"reward/{name}/failures", failures, sync_dist=True)

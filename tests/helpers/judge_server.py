@@ -1,6 +1,7 @@
 """A small OpenAI-compatible chat server for the judge's tests, in a thread of the test process: it lists one model
 and answers ``/v1/chat/completions`` with what ``answer(text)`` returns for the request's last message, and can be
-told to fail the next requests with a status, to stall, or to answer garbage. It counts what it was asked."""
+told to fail the next requests with a status, to stall, to answer garbage, or to want a key. It counts what it was
+asked."""
 
 from __future__ import annotations
 
@@ -24,6 +25,7 @@ class JudgeServer:
     model: str = "tiny-judge"
     fail_next: list[int] = field(default_factory=list)  # statuses for the next requests, one each
     stall_s: float = 0.0
+    api_key: str | None = None  # set: every route wants "Authorization: Bearer <api_key>", as hosted APIs do
     requests: list[dict] = field(default_factory=list)
     in_flight: int = 0
     most_in_flight: int = 0
@@ -50,10 +52,17 @@ class JudgeServer:
         ready.set()
         self._loop.run_forever()
 
+    def _refused(self, request: web.Request) -> bool:
+        return self.api_key is not None and request.headers.get("Authorization") != f"Bearer {self.api_key}"
+
     async def _models(self, request: web.Request) -> web.Response:
+        if self._refused(request):
+            return web.Response(status=401, text="missing or wrong key")
         return web.json_response({"object": "list", "data": [{"id": self.model, "object": "model"}]})
 
     async def _chat(self, request: web.Request) -> web.Response:
+        if self._refused(request):
+            return web.Response(status=401, text="missing or wrong key")
         body = await request.json()
         self.requests.append(body)
         self.in_flight += 1

@@ -168,3 +168,15 @@ def test_an_episodes_turns_reach_the_rubric(server):
         {"role": "user", "content": "user: guess\n\nassistant: 5\n\nuser: lower\n\nassistant: 4|lower|4|"}
     ]
     judge.close()
+
+
+def test_a_hosted_api_gets_its_key_from_the_variable_named_and_a_missing_key_is_named(server, monkeypatch):
+    server.api_key = "sekret"
+    with pytest.raises(EndpointError, match="refused the request \\(HTTP 401\\): it wants a key; set .*api_key_env"):
+        JudgeReward(server.url)
+    with pytest.raises(ValueError, match="api_key_env='LIT_PARL_TEST_JUDGE_KEY': that environment variable is not set"):
+        JudgeReward(server.url, api_key_env="LIT_PARL_TEST_JUDGE_KEY")
+    monkeypatch.setenv("LIT_PARL_TEST_JUDGE_KEY", "sekret")
+    judge = JudgeReward(server.url, api_key_env="LIT_PARL_TEST_JUDGE_KEY", rubric="{completion}")
+    assert score_group([judge], [sample("44")], ScoringPolicy(), 0).totals == [0.2]
+    judge.close()

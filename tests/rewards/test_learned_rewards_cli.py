@@ -79,3 +79,25 @@ def test_a_judge_beside_the_rule_reward(tmp_path):
         total = float(row["reward/positional"]) + float(row["reward/judge"])
         assert float(row["reward"]) == pytest.approx(total, abs=1e-5)
     assert len(server.requests) <= 2 * 8 * 8  # at most one request per sample: repeats come from the cache
+
+
+def test_a_judge_that_fails_on_every_sample_is_logged_as_failures_not_left_out(tmp_path):
+    server = JudgeServer(answer=lambda text: "I cannot grade this.").start()  # no score: every verdict refused
+    try:
+        rows = run_cli(
+            [
+                "reward=[positional,judge]",
+                f"reward.judge.url={server.url}",
+                "datamodule.scoring.on_error=score",
+                "iterations=2",
+                "checkpoint_every=0",
+            ],
+            tmp_path / "run",
+        )
+    finally:
+        server.stop()
+    assert len(rows) == 2
+    for row in rows:
+        assert float(row["reward/judge/failures"]) == 8 * 8  # every sample's call, counted
+        assert row.get("reward/judge", "") == ""  # a mean of no scored sample is not logged as a number
+        assert float(row["reward/positional/failures"]) == 0

@@ -8,6 +8,7 @@ import functools
 import math
 import threading
 import time
+import warnings
 
 import pytest
 
@@ -130,9 +131,15 @@ def test_raising_and_non_finite_values_follow_the_policy():
     with pytest.raises(RewardError, match=r"reward 'nan_on_five' returned a non-finite value"):
         score_group([Reward(nan_on_five)], SAMPLES, ScoringPolicy(), prompt_id=3)
     for reward in (flaky, nan_on_five):
-        scored = score_group([Reward(reward)], SAMPLES, ScoringPolicy(on_error="score", error_score=0.25), prompt_id=3)
+        wrapped = Reward(reward)
+        with pytest.warns(RuntimeWarning, match=rf"reward '{reward.__name__}' .* on prompt 3, sample 1; such samples"):
+            scored = score_group([wrapped], SAMPLES, ScoringPolicy(on_error="score", error_score=0.25), prompt_id=3)
         assert scored.totals == [1.0, 0.25] and scored.failures == {reward.__name__: [1]}
         assert scored.components == {reward.__name__: [1.0, None]}
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # said once: later failures are only counted
+            again = score_group([wrapped], SAMPLES, ScoringPolicy(on_error="score", error_score=0.25), prompt_id=4)
+        assert again.failures == {reward.__name__: [1]}
 
 
 @pytest.mark.parametrize("value", ["1.0", None, [1.0], {}])
