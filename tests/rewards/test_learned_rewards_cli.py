@@ -6,6 +6,10 @@ run going on from it."""
 from __future__ import annotations
 
 import csv
+import json
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -101,3 +105,24 @@ def test_a_judge_that_fails_on_every_sample_is_logged_as_failures_not_left_out(t
         assert float(row["reward/judge/failures"]) == 8 * 8  # every sample's call, counted
         assert row.get("reward/judge", "") == ""  # a mean of no scored sample is not logged as a number
         assert float(row["reward/positional/failures"]) == 0
+
+
+@pytest.mark.slow  # a 2-process fit: make test-slow
+def test_under_two_ranks_each_sample_is_scored_once_on_the_rank_that_trains_it(tmp_path):
+    """``lit-parl trainer=ddp trainer.devices=2 reward=[positional,model]``: each rank scores the samples it trains
+    and no other, so rank 0's running statistics (what the checkpoint keeps) count exactly half of the samples."""
+    model, tokenizer = tiny_reward_model(hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=2, seed=1)
+    model.save_pretrained(tmp_path / "rm"), tokenizer.save_pretrained(tmp_path / "rm")
+    command = [
+        *(str(Path(sys.executable).parent / "lit-parl"), "trainer=ddp", "trainer.devices=2"),
+        *("reward=[positional,model]", f"reward.model.path={tmp_path / 'rm'}", "reward.model.normalize=running"),
+        *("iterations=2", "shape.prompts=8", "shape.micro_batch_size=16", "checkpoint_every=1"),
+        f"run_dir={tmp_path / 'run'}",
+    ]
+    result = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=400, start_new_session=True)
+    assert result.returncode == 0, result.stderr[-4000:]
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["completions"] == 2 * 8 * 8  # iterations x prompts x group_size, both ranks
+    (checkpoint,) = (tmp_path / "run").rglob("last.ckpt")
+    state = torch.load(checkpoint, weights_only=False)["RolloutDataModule"]
+    assert state["rewards"]["model"]["count"] == 2 * 8 * 8 // 2  # rank 0's half, each sample once
