@@ -88,7 +88,8 @@ class CompletionSamples(Callback):
         ...     def train_dataloader(self):
         ...         return torch.utils.data.DataLoader([group(p) for p in range(3)], batch_size=None,
         ...             collate_fn=lambda b: b)
-        >>> samples = CompletionSamples(dirpath=tempfile.mkdtemp(), every_n_iterations=2, prompts=2)
+        >>> folder = tempfile.TemporaryDirectory()
+        >>> samples = CompletionSamples(dirpath=folder.name, every_n_iterations=2, prompts=2)
         >>> trainer = lightning.Trainer(accelerator="cpu", max_epochs=3, limit_val_batches=0, logger=False,
         ...     enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, callbacks=[samples])
         >>> trainer.fit(Model())
@@ -97,6 +98,7 @@ class CompletionSamples(Callback):
         [(1, 0, 0), (1, 0, 1), (1, 1, 0), (1, 1, 1), (2, 0, 0), (2, 0, 1), (2, 1, 0), (2, 1, 1)]
         >>> rows[1]["prompt"], rows[1]["completion"], rows[1]["advantage"], rows[1]["reward_components"]
         ('0 9', '1 0', 0.5, {'exact': 1.0})
+        >>> folder.cleanup()
     """
 
     def __init__(

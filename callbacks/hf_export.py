@@ -56,13 +56,15 @@ class HFExport(Callback):
         ...         self.policy = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(vocab_size=16,
         ...             hidden_size=8, intermediate_size=16, num_hidden_layers=1, num_attention_heads=2,
         ...             num_key_value_heads=1))
-        >>> export = HFExport(dirpath=tempfile.mkdtemp())
+        >>> folder = tempfile.TemporaryDirectory()
+        >>> export = HFExport(dirpath=folder.name)
         >>> trainer = lightning.Trainer(accelerator="cpu", max_epochs=1, limit_train_batches=2, limit_val_batches=0,
         ...     logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
         ...     callbacks=[export])
         >>> trainer.fit(Model())
         >>> type(transformers.AutoModelForCausalLM.from_pretrained(export.saved_to)).__name__
         'Qwen2ForCausalLM'
+        >>> folder.cleanup()
     """
 
     def __init__(self, dirpath: str | None = None, every_n_iterations: int = 0, merge_lora: bool = False) -> None:

@@ -92,7 +92,8 @@ class PipelineTimeline(Callback):
         ...             requested_at=now, completed_at=now + 0.1, completions=8, completion_tokens=80, reward_sum=4.0,
         ...             prompts_drawn=2, dropped_groups=0, gen_intervals=[(now, now + 0.1)], reward_mean=0.5,
         ...             gen_busy_s=0.1))
-        >>> timeline = PipelineTimeline(dirpath=tempfile.mkdtemp())
+        >>> folder = tempfile.TemporaryDirectory()
+        >>> timeline = PipelineTimeline(dirpath=folder.name)
         >>> trainer = lightning.Trainer(accelerator="cpu", max_epochs=2, limit_train_batches=2, limit_val_batches=0,
         ...     logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
         ...     callbacks=[timeline])
@@ -103,6 +104,7 @@ class PipelineTimeline(Callback):
         ['timeline.jsonl', 'timeline.png']
         >>> [it["iteration"] for it in load_timeline(Path(timeline.dirpath) / "timeline.jsonl")]
         [0, 1]
+        >>> folder.cleanup()
     """
 
     def __init__(self, dirpath: str | None = None, window: int = 6) -> None:

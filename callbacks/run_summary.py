@@ -52,7 +52,8 @@ class RunSummary(Callback):
         ...         self.trainer.datamodule.history.append(SimpleNamespace(version=self.current_epoch,
         ...             requested_at=now, completed_at=now, completions=8, completion_tokens=80, reward_sum=4.0,
         ...             prompts_drawn=2, dropped_groups=0, gen_intervals=[], reward_mean=0.5, gen_busy_s=0.0))
-        >>> summary = RunSummary(dirpath=tempfile.mkdtemp())
+        >>> folder = tempfile.TemporaryDirectory()
+        >>> summary = RunSummary(dirpath=folder.name)
         >>> trainer = lightning.Trainer(accelerator="cpu", max_epochs=2, limit_train_batches=2, limit_val_batches=0,
         ...     logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
         ...     callbacks=[summary])
@@ -60,6 +61,7 @@ class RunSummary(Callback):
         lit_parl summary: {"iterations": 2, "mode": null, "reward_first": 0.5, "reward_last10": 0.5, ...}
         >>> summary.summary["completions"], (Path(summary.dirpath) / "summary.json").exists()
         (16, True)
+        >>> folder.cleanup()
     """
 
     def __init__(self, dirpath: str | None = None, last_n: int = 10) -> None:

@@ -28,14 +28,15 @@ Example (a tiny reward model written here; a real one is any ``AutoModelForSeque
     >>> tokenizer = build_char_tokenizer()
     >>> config = Qwen2Config(vocab_size=len(tokenizer), hidden_size=16, intermediate_size=32, num_hidden_layers=1,
     ...     num_attention_heads=2, num_key_value_heads=2, num_labels=1, pad_token_id=tokenizer.pad_token_id)
-    >>> path = tempfile.mkdtemp()
+    >>> folder = tempfile.TemporaryDirectory()
+    >>> path = folder.name
     >>> Qwen2ForSequenceClassification(config).save_pretrained(path)
     >>> _ = tokenizer.save_pretrained(path)
     >>> reward = RewardModel(path, batch_size=4)
     >>> scores = reward.score_texts(["12=", "12=21"])
     >>> len(scores), all(isinstance(s, float) for s in scores)
     (2, True)
-    >>> reward.close()
+    >>> reward.close(); folder.cleanup()
 """
 
 from __future__ import annotations

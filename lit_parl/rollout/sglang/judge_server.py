@@ -9,7 +9,7 @@ it a GPU of its own with ``gpu_ids`` (its ``CUDA_VISIBLE_DEVICES``), apart from 
 Example (its address; starting it needs sglang)::
 
     >>> import tempfile
-    >>> judge_model = tempfile.mkdtemp()
+    >>> judge_model = tempfile.gettempdir()  # any directory: the model is read only when the server starts
     >>> launch = JudgeLaunch(model_path=judge_model, port=31000, device="cpu")
     >>> launch.url
     'http://127.0.0.1:31000'

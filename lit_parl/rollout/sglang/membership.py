@@ -22,10 +22,12 @@ refused with a warning: the ``distributed`` sync (its NCCL group is formed once,
 router (it balances its own worker list).
 
 >>> import tempfile, os
->>> path = os.path.join(tempfile.mkdtemp(), "servers.txt")
+>>> folder = tempfile.TemporaryDirectory()
+>>> path = os.path.join(folder.name, "servers.txt")
 >>> _ = open(path, "w").write("http://infer1:30000 2  # two GPUs' worth\\n\\nhttp://infer2:30000\\n")
 >>> read_membership_file(path)
 {'http://infer1:30000': 2.0, 'http://infer2:30000': 1.0}
+>>> folder.cleanup()
 """
 
 from __future__ import annotations
