@@ -31,10 +31,18 @@ def _config(tokenizer, hidden_size, num_layers, num_heads, num_kv_heads, interme
     )
 
 
-def _tokenizer(vocabulary: str, what: str) -> PreTrainedTokenizerBase:
+def _tiny(auto_class, what: str, vocabulary: str, seed: int, shape: tuple, **config_fields):
+    """A random-init model of ``auto_class`` on the character tokenizer, its weights drawn from ``seed`` alone."""
     if vocabulary not in VOCABULARIES:
         raise ValueError(f"{what}(vocabulary={vocabulary!r}): choose one of {sorted(VOCABULARIES)}")
-    return build_char_tokenizer(VOCABULARIES[vocabulary])
+    tokenizer = build_char_tokenizer(VOCABULARIES[vocabulary])
+    config = _config(tokenizer, *shape)
+    for name, value in config_fields.items():
+        setattr(config, name, value)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = auto_class.from_config(config, dtype=torch.float32, attn_implementation="sdpa")
+    return model, tokenizer
 
 
 def tiny_qwen2(
@@ -50,14 +58,8 @@ def tiny_qwen2(
     """A random-init Qwen2 with the project's character tokenizer (no download). ``vocabulary``: ``basic``
     (digits, lowercase letters, the digit tasks' signs) or ``ascii`` (every printable ASCII character, for
     text prompts; the ids of ``basic``'s characters kept, the model's random weights not)."""
-    tokenizer = _tokenizer(vocabulary, "tiny_qwen2")
-    config = _config(
-        tokenizer, hidden_size, num_layers, num_heads, num_kv_heads, intermediate_size, max_position_embeddings
-    )
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="sdpa")
-    return model, tokenizer
+    shape = (hidden_size, num_layers, num_heads, num_kv_heads, intermediate_size, max_position_embeddings)
+    return _tiny(AutoModelForCausalLM, "tiny_qwen2", vocabulary, seed, shape)
 
 
 def tiny_reward_model(
@@ -73,12 +75,5 @@ def tiny_reward_model(
     """A random-init Qwen2 sequence classifier with one label (a reward model's logit) and the character tokenizer:
     what the tests and ``benchmarks/rewards`` train and score with (``lit_parl.rewards.RewardModel`` reads it once
     saved with ``save_pretrained``)."""
-    tokenizer = _tokenizer(vocabulary, "tiny_reward_model")
-    config = _config(
-        tokenizer, hidden_size, num_layers, num_heads, num_kv_heads, intermediate_size, max_position_embeddings
-    )
-    config.num_labels = 1
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        model = AutoModelForSequenceClassification.from_config(config, dtype=torch.float32, attn_implementation="sdpa")
-    return model, tokenizer
+    shape = (hidden_size, num_layers, num_heads, num_kv_heads, intermediate_size, max_position_embeddings)
+    return _tiny(AutoModelForSequenceClassification, "tiny_reward_model", vocabulary, seed, shape, num_labels=1)
