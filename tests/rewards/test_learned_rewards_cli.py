@@ -31,6 +31,16 @@ def run_cli(overrides: list[str], run_dir) -> list[dict]:
         return [row for row in csv.DictReader(f) if row.get("reward")]
 
 
+def judged_run(server: JudgeServer, tmp_path, *overrides: str) -> list[dict]:
+    """Two iterations of the default job with the judge at ``server`` beside the positional reward."""
+    server.start()
+    try:
+        judge = ["reward=[positional,judge]", f"reward.judge.url={server.url}", "iterations=2", "checkpoint_every=0"]
+        return run_cli([*judge, *overrides], tmp_path / "run")
+    finally:
+        server.stop()
+
+
 def test_a_reward_model_beside_the_rule_reward(tmp_path):
     model, tokenizer = tiny_reward_model(hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=2, seed=1)
     model.save_pretrained(tmp_path / "rm"), tokenizer.save_pretrained(tmp_path / "rm")
@@ -63,20 +73,8 @@ def test_a_reward_model_beside_the_rule_reward(tmp_path):
 
 
 def test_a_judge_beside_the_rule_reward(tmp_path):
-    server = JudgeServer().start()
-    try:
-        rows = run_cli(
-            [
-                "reward=[positional,judge]",
-                f"reward.judge.url={server.url}",
-                "reward.judge.rubric='{completion}'",
-                "iterations=2",
-                "checkpoint_every=0",
-            ],
-            tmp_path / "run",
-        )
-    finally:
-        server.stop()
+    server = JudgeServer()
+    rows = judged_run(server, tmp_path, "reward.judge.rubric='{completion}'")
     assert len(rows) == 2
     for row in rows:
         assert 0.0 <= float(row["reward/judge"]) <= 1.0
@@ -86,20 +84,8 @@ def test_a_judge_beside_the_rule_reward(tmp_path):
 
 
 def test_a_judge_that_fails_on_every_sample_is_logged_as_failures_not_left_out(tmp_path):
-    server = JudgeServer(answer=lambda text: "I cannot grade this.").start()  # no score: every verdict refused
-    try:
-        rows = run_cli(
-            [
-                "reward=[positional,judge]",
-                f"reward.judge.url={server.url}",
-                "datamodule.scoring.on_error=score",
-                "iterations=2",
-                "checkpoint_every=0",
-            ],
-            tmp_path / "run",
-        )
-    finally:
-        server.stop()
+    refusing = JudgeServer(answer=lambda text: "I cannot grade this.")  # no score: every verdict refused
+    rows = judged_run(refusing, tmp_path, "datamodule.scoring.on_error=score")
     assert len(rows) == 2
     for row in rows:
         assert float(row["reward/judge/failures"]) == 8 * 8  # every sample's call, counted
