@@ -11,7 +11,7 @@ with ``output_ids`` and ``meta_info.output_token_logprobs`` / ``finish_reason`` 
 ``/begin_weight_update``, ``/end_weight_update``, ``/update_weights_from_disk``,
 ``/update_weights_from_tensor``, ``/init_weights_update_group``, ``/update_weights_from_distributed`` (gloo
 here, NCCL in SGLang), ``/destroy_weights_update_group``, ``/pause_generation``, ``/continue_generation``,
-``/flush_cache``, and LoRA adapters (``--enable-lora``; ``/load_lora_adapter_from_tensors``,
+``/flush_cache``, ``/freeze_gc``, and LoRA adapters (``--enable-lora``; ``/load_lora_adapter_from_tensors``,
 ``/unload_lora_adapter``, ``/update_weight_version``, ``/generate``'s ``lora_path``: ``sglang_standin_lora``).
 
 The weight-update API of current SGLang (0.5.23): no ``/get_weight_version`` route; tensor and distributed
@@ -396,6 +396,9 @@ class StandIn:
             )
         return web.Response(text="Cache flushed.\n")
 
+    async def freeze_gc(self, request: web.Request) -> web.Response:
+        return web.Response(text="Garbage collection frozen.\n")  # SGLang's processes gc.freeze(); nothing here
+
     async def health(self, request: web.Request) -> web.Response:
         return web.Response(status=200)
 
@@ -487,6 +490,7 @@ def main() -> None:
     app.router.add_post("/pause_generation", server.pause)
     app.router.add_post("/continue_generation", server.resume)
     app.router.add_post("/flush_cache", server.flush_cache)
+    app.router.add_post("/freeze_gc", server.freeze_gc)
     app.router.add_post("/load_lora_adapter_from_tensors", server.load_adapter)
     app.router.add_post("/unload_lora_adapter", server.unload_adapter)
     app.router.add_post("/update_weight_version", server.update_weight_version)

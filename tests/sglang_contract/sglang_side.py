@@ -245,6 +245,9 @@ class StubTokenizerManager:
         self.seen = (None, None, [])
         return SimpleNamespace(success=True, message="")
 
+    async def freeze_gc(self):
+        self.seen = (None, None, [])
+
 
 class FrontEnd:
     """SGLang's HTTP server app over ``StubTokenizerManager``, in this process.

@@ -6,6 +6,8 @@
 - every weight-sync route the pool offers: ``tensor`` (inside ``/begin_weight_update`` … ``/end_weight_update``),
   ``disk`` and ``distributed`` (over gloo): each version reported by the server before the first request, and
   its samples' log-probs are those of that version's weights (and far from the previous version's);
+- a launched CPU server's start-up heap is frozen out of its garbage collector (``servers.freeze_start_heap``), after
+  a flush, before anything else is asked of it;
 - the pool's close leaves nothing of its servers behind, of one it stops or one that crashed before: no process, no
   ``/dev/shm/sglang_loads_*`` file.
 """
@@ -18,6 +20,8 @@ import socket
 import time
 from dataclasses import replace
 from pathlib import Path
+from unittest import mock
+from urllib.parse import urlsplit
 
 import pytest
 import torch
@@ -29,6 +33,7 @@ require_sglang()
 from lit_parl.models import tiny_qwen2  # noqa: E402
 from lit_parl.rollout.rollout_pool import FP32_LOGPROB_TOLERANCE  # noqa: E402
 from lit_parl.rollout.sglang import SGLangRolloutPool  # noqa: E402
+from lit_parl.rollout.sglang.client import HTTPClient  # noqa: E402
 from lit_parl.rollout.sglang.commands import launches_on_cpu  # noqa: E402
 from lit_parl.trainer.guards import worst_group_mismatch  # noqa: E402
 from sglang_contract.pool_run import SAMPLINGS, STOP_TOKEN, free_port, group_requests  # noqa: E402
@@ -67,6 +72,9 @@ def worst_mismatch(groups, requests, model, temperature: float) -> float:
     return worst
 
 
+START_REQUESTS: list[tuple[str, str]] = []  # (method, path) of each request the module pool's start had answered
+
+
 @pytest.fixture(scope="module")
 def pool(spec):
     assert launches_on_cpu(SGLangRolloutPool().launch), "these tests launch SGLang on the CPU platform"
@@ -75,9 +83,23 @@ def pool(spec):
         launch={"port": free_port(), "start_timeout_s": 600},
         sync={"backend": "gloo", "master_port": free_port()},
     )
-    pool.start(spec)
+    request = HTTPClient._request
+
+    async def recorded(self, method, url, payload, timeout):
+        answer = await request(self, method, url, payload, timeout)  # raises on a refusal: not recorded
+        START_REQUESTS.append((method, urlsplit(url).path))
+        return answer
+
+    with mock.patch.object(HTTPClient, "_request", recorded):
+        pool.start(spec)
     yield pool
     pool.close()
+
+
+def test_the_start_freezes_the_servers_start_up_heap_after_a_flush(pool):
+    """SGLang's own request for the freeze comes before its HTTP server listens when warm-up is skipped (the CPU
+    launch's): the pool asks, once the server is healthy, and the real server takes both requests."""
+    assert START_REQUESTS[-3:] == [("GET", "/health"), ("POST", "/flush_cache"), ("POST", "/freeze_gc")]
 
 
 @pytest.mark.parametrize("name", list(SAMPLINGS))

@@ -206,6 +206,7 @@ PROBES = [
     ),
     probe("/continue_generation", {}, "continue"),
     probe("/flush_cache", None, "flush-cache"),
+    probe("/freeze_gc", None, "freeze-gc"),
     probe(
         "/begin_weight_update",
         {"selector": "bogus"},
