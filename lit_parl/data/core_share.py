@@ -44,10 +44,11 @@ LEND_FROM_PARAMETERS = 2_000_000
 
 
 def cores_to_lend(reserved: int, trainer_threads: int) -> int:
-    """The pool's threads the trainer may take: its reserved ones, but never past the machine's cores. A team of
-    more OpenMP threads than cores waits at every barrier for a thread that is not running (measured: two
-    workers lending both their threads to a one-thread trainer on two cores, 432 completions/s against 709)."""
-    return max(0, min(reserved, (os.cpu_count() or 1) - trainer_threads))
+    """The pool's threads the trainer may take: its reserved ones, but never past the cores the trainer's process
+    may run on (its CPU affinity: all of the machine's, or those ``taskset`` gave it). A team of more OpenMP
+    threads than cores waits at every barrier for a thread that is not running (measured: two workers lending
+    both their threads to a one-thread trainer on two cores, 432 completions/s against 709)."""
+    return max(0, min(reserved, len(os.sched_getaffinity(0)) - trainer_threads))
 
 
 def worth_lending(policy: torch.nn.Module | None, on_cpu: bool) -> bool:

@@ -31,7 +31,7 @@ Example::
 from __future__ import annotations
 
 import functools
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
@@ -116,6 +116,8 @@ class HFRolloutPool(SpawnedWorkerPool):
             confirmation) may stay silent before it is taken for hung, killed and replaced.
         max_restarts: dead or hung workers replaced within one ``generate`` or ``sync_weights`` call (their
             unfinished requests re-issued with the same seeds); the next failure stops the run.
+        cores: CPU cores the workers are pinned to, split between them in order; ``None``: not pinned
+            (``SpawnedWorkerPool``).
     """
 
     backend = "hf"
@@ -131,9 +133,10 @@ class HFRolloutPool(SpawnedWorkerPool):
         start_timeout_s: float = 120.0,
         response_timeout_s: float = 600.0,
         max_restarts: int = 3,
+        cores: Sequence[int] | None = None,
     ) -> None:
         super().__init__(
-            num_workers, threads_per_worker, colocated_threads, start_timeout_s, response_timeout_s, max_restarts
+            num_workers, threads_per_worker, colocated_threads, start_timeout_s, response_timeout_s, max_restarts, cores
         )
         if prompts_per_request < 1:
             raise ValueError(

@@ -32,6 +32,20 @@ from pathlib import Path
 from lit_parl.rollout.worker_messages import Exited, Stop, Unreadable, WorkerError
 
 
+def pin_to_cores(cores: Sequence[int]) -> None:
+    """Run every thread of this process, and every thread it starts later, on ``cores`` only (CPU affinity).
+
+    Linux keeps an affinity mask per thread and a new thread inherits its creator's: setting only the calling
+    thread's would leave threads started before (an OpenMP team, a pipe reader) wherever they were.
+    """
+    cores = set(cores)
+    for task in Path("/proc/self/task").iterdir():
+        try:
+            os.sched_setaffinity(int(task.name), cores)
+        except ProcessLookupError:
+            pass  # a thread that ended meanwhile
+
+
 def die_with_parent() -> None:
     """Ask Linux to SIGKILL this process when its parent dies, however the parent dies."""
     try:

@@ -14,7 +14,7 @@ from __future__ import annotations
 import os
 import time
 from abc import abstractmethod
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import ClassVar
 
 from lit_parl.rollout.generate_call import GenerateCall
@@ -38,12 +38,16 @@ class SpawnedWorkerPool(RolloutPool):
         num_workers: worker processes.
         threads_per_worker: CPU threads of each worker while the trainer runs beside it.
         colocated_threads: CPU threads of each worker when generation and training take turns
-            (``PoolSpec.colocated``); ``None``: all cores divided between the workers.
+            (``PoolSpec.colocated``); ``None``: all cores divided between the workers (with ``cores``: each
+            worker's own).
         start_timeout_s: how long the workers may take to build their engines (a replacement too).
         response_timeout_s: how long a worker that owes the pool an answer (a group, the end of a piece,
             a sync confirmation) may stay silent before it is taken for hung, killed and replaced.
         max_restarts: worker replacements allowed within one ``generate`` or ``sync_weights`` call; the
             next failure stops the run with an error. 0: any failure stops it.
+        cores: CPU cores the workers are pinned to (CPU affinity), split between them in order, the same number
+            each; ``None``: wherever the OS runs them. Pin the trainer's process to other cores (``taskset -c``)
+            so that generation and training each keep their own (docs/performance.md, "Pinned cores").
     """
 
     worker_label: ClassVar[str] = "worker"  # how error messages name a worker
@@ -58,6 +62,7 @@ class SpawnedWorkerPool(RolloutPool):
         start_timeout_s: float,
         response_timeout_s: float,
         max_restarts: int = 3,
+        cores: Sequence[int] | None = None,
     ) -> None:
         super().__init__()
         name = type(self).__name__
@@ -71,6 +76,7 @@ class SpawnedWorkerPool(RolloutPool):
             )
         if max_restarts < 0:
             raise ValueError(f"{name}(max_restarts={max_restarts}): give 0 (no restart) or more")
+        self.cores = worker_cores(cores, num_workers, name) if cores is not None else None
         self.num_workers = num_workers
         self.threads_per_worker = threads_per_worker
         self.colocated_threads = colocated_threads
@@ -105,6 +111,7 @@ class SpawnedWorkerPool(RolloutPool):
             start_timeout_s=self.start_timeout_s,
             response_timeout_s=self.response_timeout_s,
             max_restarts=self.max_restarts,
+            cores=self.cores,
         )
         try:
             self._await_ready()
@@ -188,5 +195,26 @@ class SpawnedWorkerPool(RolloutPool):
 
     def _worker_threads(self, colocated: bool) -> int:
         if colocated:
+            if self.colocated_threads is None and self.cores is not None:
+                return len(self.cores[0])
             return self.colocated_threads or max(1, (os.cpu_count() or 1) // self.num_workers)
         return self.threads_per_worker
+
+
+def worker_cores(cores: Sequence[int], num_workers: int, name: str) -> list[tuple[int, ...]]:
+    """``cores`` split between ``num_workers`` workers in order, the same number each; checked against the machine's
+    cores (not this process's own affinity: a trainer pinned with ``taskset`` pins its workers elsewhere).
+
+    >>> worker_cores([0, 1, 2, 3], 2, "HFRolloutPool")
+    [(0, 1), (2, 3)]
+    """
+    cores = [int(core) for core in cores]
+    allowed = range(os.cpu_count() or 1)
+    if not cores or len(set(cores)) != len(cores) or len(cores) % num_workers:
+        raise ValueError(
+            f"{name}(cores={cores}): give distinct cores, the same number for each of the {num_workers} workers"
+        )
+    if not set(cores) <= set(allowed):
+        raise ValueError(f"{name}(cores={cores}): this machine's cores are 0 to {allowed[-1]}")
+    each = len(cores) // num_workers
+    return [tuple(cores[i * each : (i + 1) * each]) for i in range(num_workers)]

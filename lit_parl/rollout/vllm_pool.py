@@ -136,6 +136,8 @@ class VLLMRolloutPool(SpawnedWorkerPool, AdapterPool):
             confirmation) may stay silent before it is taken for hung, killed and replaced.
         max_restarts: dead or hung workers replaced within one ``generate`` or ``sync_weights`` call (their
             unfinished requests re-issued with the same seeds); the next failure stops the run.
+        cores: CPU cores the workers are pinned to, split between them in order; ``None``: not pinned
+            (``SpawnedWorkerPool``).
         lora: how a LoRA policy reaches the engines: ``merged`` (full weights) or ``adapter`` (the base once per
             fit, then each iteration's adapter alone, which every sample then runs with: ``enable_lora``).
         max_lora_rank: ``adapter``: vLLM's ``max_lora_rank`` (one of its allowed ranks: 8, 16, 32, 64, ...).
@@ -163,6 +165,7 @@ class VLLMRolloutPool(SpawnedWorkerPool, AdapterPool):
         start_timeout_s: float = 600.0,
         response_timeout_s: float = 600.0,
         max_restarts: int = 3,
+        cores: Sequence[int] | None = None,
         gpu_memory_utilization: float | None = None,
         tensor_parallel_size: int = 1,
         gpu_ids: Sequence[int | str] | Sequence[Sequence[int | str]] | None = None,
@@ -170,7 +173,7 @@ class VLLMRolloutPool(SpawnedWorkerPool, AdapterPool):
         max_lora_rank: int = 16,
     ) -> None:
         super().__init__(
-            num_workers, threads_per_worker, colocated_threads, start_timeout_s, response_timeout_s, max_restarts
+            num_workers, threads_per_worker, colocated_threads, start_timeout_s, response_timeout_s, max_restarts, cores
         )
         engine_kwargs = dict(engine_kwargs or {})
         check_engine_kwargs(engine_kwargs, tensor_parallel_size, gpu_memory_utilization)

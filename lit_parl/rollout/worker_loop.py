@@ -18,7 +18,7 @@ from typing import Protocol
 
 import torch
 
-from lit_parl.rollout.processes import Outbox, die_with_parent
+from lit_parl.rollout.processes import Outbox, die_with_parent, pin_to_cores
 from lit_parl.rollout.records import GroupCompletions, GroupRequest, SamplingParams
 from lit_parl.rollout.worker_messages import (
     Attach,
@@ -56,15 +56,19 @@ def serve(
     results,
     parent_pid: int,
     env: dict[str, str] | None = None,
+    cores: tuple[int, ...] | None = None,
 ) -> None:
     """A worker's whole life: build the engine, then answer the inbox until told to stop or orphaned.
 
     ``results`` is the write end of this worker's own pipe. ``env`` is set in this process first, before
     the engine is built (a backend's per-worker settings, e.g. ``CUDA_VISIBLE_DEVICES``). The loop holds
     the shared tensors and the version, and refuses requests for any version other than the one it holds,
-    whatever the pool checked before: a worker never generates with weights it was not asked for.
+    whatever the pool checked before: a worker never generates with weights it was not asked for. ``cores``: the
+    CPU cores this process runs on (``None``: wherever its parent's affinity lets it).
     """
     os.environ.update(env or {})
+    if cores is not None:
+        pin_to_cores(cores)  # before the engine's threads start
     die_with_parent()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C goes to the trainer, which closes the pool
     outbox = Outbox(results)

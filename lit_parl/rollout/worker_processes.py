@@ -70,6 +70,7 @@ class WorkerProcesses:
     Args:
         make_engine: a picklable factory that builds the engine inside a worker.
         envs: each slot's environment variables, set in its process (a replacement's too) first.
+        cores: each slot's CPU cores, its process pinned to them first (``None``: no slot is pinned).
         label: how error messages name a worker.
         process_name: the processes' names are this and the slot.
         daemon: daemonic processes (a daemonic process may not start processes of its own).
@@ -86,9 +87,11 @@ class WorkerProcesses:
         start_timeout_s: float,
         response_timeout_s: float,
         max_restarts: int,
+        cores: Sequence[tuple[int, ...]] | None = None,
     ) -> None:
         self.make_engine = make_engine
         self.envs = list(envs)
+        self.cores = list(cores) if cores is not None else [None] * len(self.envs)
         self.label, self.process_name, self.daemon = label, process_name, daemon
         self.start_timeout_s = start_timeout_s
         self.response_timeout_s = response_timeout_s
@@ -265,7 +268,7 @@ class WorkerProcesses:
         inbox = _SPAWN.Queue()
         process = _SPAWN.Process(
             target=serve,
-            args=(index, self.make_engine, inbox, writer, os.getpid(), self.envs[index]),
+            args=(index, self.make_engine, inbox, writer, os.getpid(), self.envs[index], self.cores[index]),
             name=f"{self.process_name}-{index}",
             daemon=self.daemon,
         )

@@ -82,10 +82,14 @@ def test_lending_is_on_by_default_only_where_it_pays():
     assert not worth_lending(None, on_cpu=True)
 
 
-def test_the_trainer_never_takes_more_threads_than_the_machine_has_cores(monkeypatch):
-    monkeypatch.setattr("os.cpu_count", lambda: 2)
+def test_the_trainer_never_takes_more_threads_than_its_process_has_cores(monkeypatch):
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: {0, 1})
     assert cores_to_lend(reserved=1, trainer_threads=1) == 1  # the default split: the pool's one core
     assert cores_to_lend(reserved=2, trainer_threads=1) == 1  # two workers on two cores: one more, not two
     assert cores_to_lend(reserved=2, trainer_threads=2) == 0
-    monkeypatch.setattr("os.cpu_count", lambda: 16)
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: set(range(16)))
     assert cores_to_lend(reserved=4, trainer_threads=8) == 4
+    # a trainer pinned to one core of two (taskset -c 1), its pool pinned to the other: nothing to lend
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: {1})
+    monkeypatch.setattr("os.cpu_count", lambda: 2)
+    assert cores_to_lend(reserved=1, trainer_threads=1) == 0
