@@ -205,8 +205,8 @@ def worker_cores(cores: Sequence[int], num_workers: int, name: str) -> list[tupl
     """``cores`` split between ``num_workers`` workers in order, the same number each; checked against the machine's
     cores (not this process's own affinity: a trainer pinned with ``taskset`` pins its workers elsewhere).
 
-    >>> worker_cores([0, 1, 2, 3], 2, "HFRolloutPool")
-    [(0, 1), (2, 3)]
+    >>> worker_cores([0, 1], 2, "HFRolloutPool")
+    [(0,), (1,)]
     """
     cores = [int(core) for core in cores]
     allowed = range(os.cpu_count() or 1)

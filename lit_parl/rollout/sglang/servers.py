@@ -18,14 +18,10 @@ import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from lit_parl.errors import PoolStartError
 from lit_parl.rollout.processes import dying_with_parent
 from lit_parl.rollout.sglang.client import RETRYABLE, HTTPClient, RouteNotFound
-
-if TYPE_CHECKING:
-    pass
 
 
 @dataclass
@@ -41,6 +37,7 @@ class Server:
         busy_from: when the current ``generate`` first sent it a request.
         busy_to: when it last answered one.
         capacity: its share of the requests, relative to the others' (``ServerFleet.pick``).
+        on_cpu: launched on SGLang's CPU platform (``freeze_start_heap`` once it is healthy).
     """
 
     url: str
@@ -51,6 +48,7 @@ class Server:
     busy_from: float | None = None
     busy_to: float | None = None
     capacity: float = 1.0
+    on_cpu: bool = False
 
 
 class ServerFleet:
@@ -89,8 +87,9 @@ class ServerFleet:
     def attach_router(self, url: str) -> None:
         self.router = Server(url=url)  # another process's router: never stopped from here
 
-    def launch_server(self, command: list[str], env: dict, url: str, log_name: str) -> Server:
+    def launch_server(self, command: list[str], env: dict, url: str, log_name: str, on_cpu: bool = False) -> Server:
         server = self._spawn(command, env, url, log_name)
+        server.on_cpu = on_cpu
         self.launched.append(server.process)
         self.servers.append(server)
         return server
@@ -123,6 +122,8 @@ class ServerFleet:
                 client.run(client.get(server.url, "/health", timeout=5.0))
                 if server.process is not None:  # what it holds now, for stop_launched even if it crashes later
                     server.process.shm_files = sglang_shm_files([server.process.pid])
+                if server.on_cpu:
+                    freeze_start_heap(client, server)
                 return
             except RETRYABLE as error:
                 last = f"{type(error).__name__}: {error}"

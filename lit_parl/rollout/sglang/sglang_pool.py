@@ -40,7 +40,6 @@ from lit_parl.rollout.sglang.servers import (
     Server,
     ServerFleet,
     answers_health,
-    freeze_start_heap,
     reachable_url,
     stop_launched,
     warn_unseeded,
@@ -137,8 +136,6 @@ class SGLangRolloutPool(SharedRolloutPool, AdapterPool):
         for server in fleet.servers:
             timeout_s = launch.start_timeout_s if server.process else servers.attach_timeout_s
             fleet.wait_healthy(self._client, server, timeout_s)
-            if server.process is not None and launches_on_cpu(launch):
-                freeze_start_heap(self._client, server)
         if servers.urls is not None and servers.deterministic_inference:
             warn_unseeded(self._client, fleet.servers)
         if self.router.enabled:
@@ -237,7 +234,7 @@ class SGLangRolloutPool(SharedRolloutPool, AdapterPool):
             env = dict(os.environ)
             if self._gpus is not None:
                 env["CUDA_VISIBLE_DEVICES"] = visible[index]
-            self._fleet.launch_server(command, env, f"http://{launch.host}:{port}", f"server_{index}.log")
+            self._fleet.launch_server(command, env, f"http://{launch.host}:{port}", f"server_{index}.log", cpu)
 
     def _sync_weights(self, buckets: Iterable[WeightBucket], version: int) -> None:
         self._change_membership(version)
