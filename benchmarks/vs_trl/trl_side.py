@@ -31,7 +31,13 @@ _T0 = time.monotonic()
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model-dir", required=True, help="a save_pretrained directory (model + tokenizer)")
-    p.add_argument("--task", choices=("copy", "preamble"), default="copy")
+    p.add_argument("--task", choices=("copy", "preamble", "reverse"), default="copy")
+    p.add_argument(
+        "--system-prompt",
+        default=None,
+        help="every prompt through the tokenizer's chat template with this system turn (lit_parl's PromptFormat "
+        "renders the text, as datamodule.prompt_format.chat=true does)",
+    )
     p.add_argument("--preamble-chars", type=int, default=200)
     p.add_argument("--steps", type=int, required=True, help="optimizer steps (= lit_parl iterations)")
     p.add_argument("--seed", type=int, default=0)
@@ -69,10 +75,14 @@ def main(argv=None) -> dict:
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
-    from lit_parl.tasks import CopyTask, positional_reward
+    from lit_parl.prompts.prompt_format import PromptFormat
+    from lit_parl.prompts.prompt_row import PromptRow
+    from lit_parl.tasks import CopyTask, ReverseTask, positional_reward
 
     if args.task == "copy":
         task = CopyTask(min_digits=2, max_digits=4, seed=args.seed)  # conf/task/copy.yaml
+    elif args.task == "reverse":
+        task = ReverseTask(min_digits=2, max_digits=4, seed=args.seed)  # conf/data/reverse.yaml
     else:
         sys.path.insert(0, str(Path(__file__).resolve().parent))
         from vs_trl_task import PreambleCopyTask
@@ -82,10 +92,25 @@ def main(argv=None) -> dict:
     tokenizer = AutoTokenizer.from_pretrained(args.model_dir)
     model = AutoModelForCausalLM.from_pretrained(args.model_dir, dtype=torch.float32, attn_implementation="sdpa")
     eos_id = tokenizer.eos_token_id
+    # where TRL's time goes: its generation is model.generate on this object (no wrapper on one CPU process)
+    generate_s = [0.0]
+    plain_generate = model.generate
+
+    def timed_generate(*generate_args, **generate_kwargs):
+        begin = time.monotonic()
+        try:
+            return plain_generate(*generate_args, **generate_kwargs)
+        finally:
+            generate_s[0] += time.monotonic() - begin
+
+    model.generate = timed_generate
 
     # lit_parl's iteration k trains prompts k*N .. k*N+N-1 of the task, in order: same here (no shuffle)
     n_prompts = args.steps * args.prompts_per_step
     made = [task.make(i) for i in range(n_prompts)]
+    if args.system_prompt is not None:  # the chat-rendered text lit_parl's datamodule gives its pool
+        chat = PromptFormat(chat=True, system_prompt=args.system_prompt)
+        made = [(chat.render(PromptRow(index=i, prompt=p), tokenizer), a) for i, (p, a) in enumerate(made)]
     dataset = datasets.Dataset.from_dict({"prompt": [p for p, _ in made], "answer": [a for _, a in made]})
     # TRL tokenizes plain-text prompts with processing_class(text=...): check it gives lit_parl's ids
     probe = made[0][0]
@@ -212,6 +237,7 @@ def main(argv=None) -> dict:
         "wall_s": round(wall, 3),
         "setup_s": round(setup_s, 3),
         "completions_per_s": round(record["completions"] / wall, 2),
+        "generate_s": round(generate_s[0], 3),
         "tokens_per_s": round(record["tokens"] / wall, 2),
         "rewards": rewards,
         "step_end_s": [round(t - start, 4) for t in step_times],
