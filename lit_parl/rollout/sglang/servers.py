@@ -186,8 +186,9 @@ def freeze_start_heap(client: HTTPClient, server: Server) -> None:
     (``post-warmup freeze_gc failed`` in the server's log), and every flush then walks the whole heap: about 0.4 s of
     a 0.41 s sync of the default job's model on a 2-core CPU, 3 ms after the freeze
     (``benchmarks/sglang/request_cost.py``).
-    The pool asks once the server answers ``/health``, a flush first so that the start's garbage is collected rather
-    than frozen. An SGLang without the route (HTTP 404) keeps its collector as it is.
+    The fleet asks once a server it launched ``on_cpu`` answers ``/health`` (``ServerFleet.wait_healthy``), a flush
+    first so that the start's garbage is collected rather than frozen. An SGLang without the route (HTTP 404) keeps
+    its collector as it is.
     """
     try:
         client.run(client.post(server.url, "/flush_cache", {}))

@@ -234,7 +234,7 @@ class SGLangRolloutPool(SharedRolloutPool, AdapterPool):
             env = dict(os.environ)
             if self._gpus is not None:
                 env["CUDA_VISIBLE_DEVICES"] = visible[index]
-            self._fleet.launch_server(command, env, f"http://{launch.host}:{port}", f"server_{index}.log", cpu)
+            self._fleet.launch_server(command, env, f"http://{launch.host}:{port}", f"server_{index}.log", on_cpu=cpu)
 
     def _sync_weights(self, buckets: Iterable[WeightBucket], version: int) -> None:
         self._change_membership(version)
