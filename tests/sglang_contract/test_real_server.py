@@ -9,7 +9,7 @@
 - a launched CPU server's start-up heap is frozen out of its garbage collector (``servers.freeze_start_heap``), after
   a flush, before anything else is asked of it;
 - the pool's close leaves nothing of its servers behind, of one it stops or one that crashed before: no process, no
-  ``/dev/shm/sglang_loads_*`` file.
+  ``/dev/shm/sglang_loads_*`` file, no ZeroMQ socket in ``/tmp``.
 """
 
 from __future__ import annotations
@@ -155,6 +155,7 @@ def test_closing_the_pool_leaves_no_server_process_and_no_shared_memory_file(spe
         launch={"num_servers": 2, "port": port, "start_timeout_s": 600},
     )
     before = set(Path("/dev/shm").glob("sglang_*"))
+    sockets = set(_sockets_in_tmp())
     pool.start(spec)
     pids = pool.launched_pids()
     sync(pool, "tensor", 1)
@@ -169,6 +170,11 @@ def test_closing_the_pool_leaves_no_server_process_and_no_shared_memory_file(spe
         time.sleep(0.5)
     assert left == []
     assert set(Path("/dev/shm").glob("sglang_*")) - before == set()
+    assert set(_sockets_in_tmp()) - sockets == set()  # SGLang's ZeroMQ sockets: in the pool's work dir, removed
+
+
+def _sockets_in_tmp() -> list[Path]:
+    return [p for p in Path("/tmp").glob("tmp*") if p.is_socket()]
 
 
 def _session(pid: int) -> int | None:

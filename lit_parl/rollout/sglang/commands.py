@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import importlib.util
+import os
 import sys
 import warnings
 from collections.abc import Sequence
@@ -104,6 +105,17 @@ def server_command(
     if deterministic_inference and not cpu and "--enable-deterministic-inference" not in launch.args:
         command.append("--enable-deterministic-inference")
     return command + list(extra) + list(launch.args)
+
+
+def server_env(cpu: bool, workdir: str | Path) -> dict[str, str]:
+    """A launched server's environment: this process's, and on the CPU ``TMPDIR`` in the pool's work dir. SGLang
+    names its processes' ZeroMQ sockets with ``tempfile`` and a stopped server leaves them (and empty files beside
+    them) in ``/tmp``; in the work dir they go when the pool removes it at close."""
+    env = dict(os.environ)
+    if cpu:
+        env["TMPDIR"] = str(Path(workdir) / "tmp")
+        Path(env["TMPDIR"]).mkdir(exist_ok=True)
+    return env
 
 
 def warn_unseeded_on_cpu() -> None:

@@ -30,6 +30,7 @@ from lit_parl.rollout.sglang.commands import (
     launches_on_cpu,
     router_command,
     server_command,
+    server_env,
     warn_unseeded_on_cpu,
 )
 from lit_parl.rollout.sglang.fanout import leaves_push
@@ -231,7 +232,7 @@ class SGLangRolloutPool(SharedRolloutPool, AdapterPool):
             port = launch.port + index
             extra = lora_launch_args(self.sync.max_lora_rank) if self.takes_lora_adapters else []
             command = server_command(launch, model_path, port, tp_size, seeded, extra, cpu)
-            env = dict(os.environ)
+            env = server_env(cpu, self._fleet.workdir)
             if self._gpus is not None:
                 env["CUDA_VISIBLE_DEVICES"] = visible[index]
             self._fleet.launch_server(command, env, f"http://{launch.host}:{port}", f"server_{index}.log", on_cpu=cpu)
