@@ -2,11 +2,36 @@
 
 from __future__ import annotations
 
+import os
+import tempfile
+
 import pytest
 
 from lit_parl.models import tiny_qwen2
 from lit_parl.models.char_tokenizer import build_char_tokenizer
 from lit_parl.rollout import HFRolloutPool
+
+
+@pytest.fixture(scope="session", autouse=True)
+def contained_tmpdir(tmp_path_factory):
+    """Every temporary file of the session, ours and our children's, goes under pytest's own base directory.
+
+    A process a test kills on purpose (a rank, a server) cannot remove what it made in the temporary directory (a
+    saved model, a socket, torch's shared-memory manager directory): left in ``/tmp`` they pile up run after run.
+    Here they land in one directory of pytest's, which pytest removes once it is three sessions old (not at the end
+    of this one: this process's own ``multiprocessing`` directory is in it until the interpreter exits).
+    """
+    directory = tmp_path_factory.getbasetemp() / "TMPDIR"
+    directory.mkdir()
+    previous = os.environ.get("TMPDIR")
+    os.environ["TMPDIR"] = str(directory)
+    tempfile.tempdir = None  # gettempdir() caches its answer: read TMPDIR again
+    yield directory
+    if previous is None:
+        del os.environ["TMPDIR"]
+    else:
+        os.environ["TMPDIR"] = previous
+    tempfile.tempdir = None
 
 
 @pytest.fixture

@@ -3,8 +3,6 @@ shared tensors at the first sync (where the dtype matches), so every later sync 
 
 from __future__ import annotations
 
-import tempfile
-
 import torch
 
 from lit_parl.models import tiny_qwen2
@@ -13,9 +11,8 @@ from lit_parl.rollout.records import GroupRequest, SamplingParams
 from lit_parl.rollout.sampling import sample_groups
 
 
-def _engine_and_policy():
+def _engine_and_policy(directory):
     policy, tokenizer = tiny_qwen2(seed=3)
-    directory = tempfile.mkdtemp()
     policy.save_pretrained(directory)
     return HFEngine(directory, tokenizer.eos_token_id, tokenizer.pad_token_id, threads=1), policy, tokenizer
 
@@ -24,8 +21,8 @@ def _shared(policy, dtype=None) -> dict[str, torch.Tensor]:
     return {name: p.detach().to(dtype or p.dtype, copy=True).share_memory_() for name, p in policy.named_parameters()}
 
 
-def test_the_engine_holds_the_shared_tensors_so_a_later_sync_is_the_pools_copy_alone():
-    engine, policy, tokenizer = _engine_and_policy()
+def test_the_engine_holds_the_shared_tensors_so_a_later_sync_is_the_pools_copy_alone(tmp_path):
+    engine, policy, tokenizer = _engine_and_policy(tmp_path)
     shared = _shared(policy)
     engine.load(shared, version=0)
     parameters = dict(engine.model.named_parameters())
@@ -46,8 +43,8 @@ def test_the_engine_holds_the_shared_tensors_so_a_later_sync_is_the_pools_copy_a
     assert ours.completions == reference.completions and ours.logprobs == reference.logprobs
 
 
-def test_a_policy_of_another_dtype_is_copied_into_the_engines_own_weights():
-    engine, policy, _ = _engine_and_policy()
+def test_a_policy_of_another_dtype_is_copied_into_the_engines_own_weights(tmp_path):
+    engine, policy, _ = _engine_and_policy(tmp_path)
     shared = _shared(policy, torch.bfloat16)
     engine.load(shared, version=0)
     for name, parameter in engine.model.named_parameters():

@@ -5,6 +5,7 @@ the scoring policy handles), repeats come from the cache, and closing the judge 
 from __future__ import annotations
 
 import asyncio
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -32,6 +33,7 @@ def test_a_judge_server_the_run_launches_answers_and_is_stopped(tmp_path):
     config = OmegaConf.load(ROOT / "conf/reward/judge.yaml").judge  # built as the CLI builds reward=judge
     config.launch.model_path, config.launch.device = str(tmp_path / "judge"), "cpu"
     config.rubric, config.pattern, config.score_range, config.max_tokens = "Rate 0-9: {completion}", r"(\d)", [0, 9], 8
+    sockets = set(_sockets_in_tmp())
     judge = instantiate(config)
     assert isinstance(judge, JudgeReward)
     (process,) = judge.launch.processes
@@ -63,6 +65,12 @@ def test_a_judge_server_the_run_launches_answers_and_is_stopped(tmp_path):
     judge.close()
     assert process.poll() is not None  # stopped with the judge
     assert not [p for p in shm if p.exists()]
+    assert set(_sockets_in_tmp()) - sockets == set()  # SGLang's ZeroMQ sockets: in the judge's work dir, removed
+
+
+def _sockets_in_tmp() -> list[Path]:
+    """ZeroMQ's socket files where a server would put them without its own TMPDIR (the tests' temporary directory)."""
+    return [p for p in Path(tempfile.gettempdir()).glob("tmp*") if p.is_socket()]
 
 
 def test_a_judge_given_neither_a_url_nor_a_launch_is_refused():

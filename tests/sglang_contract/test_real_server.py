@@ -17,6 +17,7 @@ from __future__ import annotations
 import os
 import signal
 import socket
+import tempfile
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -174,7 +175,8 @@ def test_closing_the_pool_leaves_no_server_process_and_no_shared_memory_file(spe
 
 
 def _sockets_in_tmp() -> list[Path]:
-    return [p for p in Path("/tmp").glob("tmp*") if p.is_socket()]
+    """ZeroMQ's socket files where a server would put them without its own TMPDIR (the tests' temporary directory)."""
+    return [p for p in Path(tempfile.gettempdir()).glob("tmp*") if p.is_socket()]
 
 
 def _session(pid: int) -> int | None:

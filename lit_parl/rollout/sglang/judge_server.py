@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 
 from lit_parl.extras import require_installed
 from lit_parl.rollout.sglang.client import HTTPClient
-from lit_parl.rollout.sglang.commands import launches_on_cpu, server_command
+from lit_parl.rollout.sglang.commands import launches_on_cpu, server_command, server_env
 from lit_parl.rollout.sglang.servers import ServerFleet, stop_launched
 from lit_parl.rollout.sglang.settings import LaunchSettings
 
@@ -71,8 +71,11 @@ class JudgeLaunch:
     def url(self) -> str:
         return f"http://{self.host}:{self.port}"
 
+    def _settings(self) -> LaunchSettings:
+        return LaunchSettings(host=self.host, port=self.port, device=self.device, args=tuple(self.args))
+
     def command(self) -> list[str]:
-        settings = LaunchSettings(host=self.host, port=self.port, device=self.device, args=tuple(self.args))
+        settings = self._settings()
         return server_command(settings, self.model_path, self.port, 1, False, cpu=launches_on_cpu(settings))
 
     def start(self) -> weakref.finalize:
@@ -81,10 +84,11 @@ class JudgeLaunch:
         workdir = tempfile.mkdtemp(prefix="lit_parl_judge_")
         fleet = ServerFleet(workdir)
         stop = weakref.finalize(fleet, stop_launched, fleet.launched, workdir)
-        env = dict(os.environ)
+        cpu = launches_on_cpu(self._settings())
+        env = server_env(cpu, workdir)  # as the pool's servers: on the CPU, its socket files in the work dir
         if self.gpu_ids is not None:
             env["CUDA_VISIBLE_DEVICES"] = str(self.gpu_ids)
-        server = fleet.launch_server(self.command(), env, self.url, "judge_server.log")
+        server = fleet.launch_server(self.command(), env, self.url, "judge_server.log", on_cpu=cpu)
         client = HTTPClient(30.0)
         try:
             fleet.wait_healthy(client, server, self.start_timeout_s)
