@@ -32,7 +32,8 @@ train: install
 test: $(VENV)/.installed-dev
 	$(PY) -m pytest -q -m "not slow" $(ARGS)
 
-# the multi-process strategy fits and the CLI's signal and wheel checks (several minutes): CI runs them after `make test`
+# the multi-process strategy fits, the CLI's signal and wheel checks, the real model and the worker faults (several
+# minutes): CI runs them after `make test`
 test-slow: $(VENV)/.installed-dev
 	$(PY) -m pytest -q -m slow $(ARGS)
 

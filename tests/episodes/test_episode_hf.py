@@ -74,6 +74,7 @@ class CrashInSecondTurn:
                 os._exit(3)
 
 
+@pytest.mark.slow  # make test-slow: fault injection, half a minute
 def test_a_worker_killed_mid_episode_loses_nothing(tmp_path):
     undisturbed, _ = _train(HFRolloutPool(num_workers=2, **POOL), iterations=2)
     marker = tmp_path / "crashed"

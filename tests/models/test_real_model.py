@@ -37,6 +37,7 @@ def smollm2(tmp_path_factory):
     return model, tokenizer, cache
 
 
+@pytest.mark.slow  # make test-slow: the real model's tests share its conversion (35 s) and take 2 minutes
 def test_the_gguf_file_becomes_an_ordinary_saved_model_with_the_same_outputs(smollm2):
     model, tokenizer, cache = smollm2
     assert type(model).__name__ == "LlamaForCausalLM" and model.dtype == torch.float32
@@ -107,6 +108,7 @@ def copy_task_data(model, tokenizer, shape, objective) -> RolloutDataModule:
     )
 
 
+@pytest.mark.slow  # make test-slow: the real model
 def test_one_iteration_of_grpo_on_the_real_model_with_its_real_tokenizer(smollm2):
     model, tokenizer, _ = smollm2
     shape = IterationShape(prompts=2, group_size=2, micro_batch_size=4)
@@ -129,6 +131,7 @@ def digit_share(completion: str) -> float:
     return sum(c.isdigit() for c in completion) / max(len(completion), 1)
 
 
+@pytest.mark.slow  # make test-slow: the real model
 def test_grpo_on_a_math_dataset_through_the_chat_template_with_the_math_reward(smollm2, tmp_path):
     model, tokenizer, _ = smollm2
     questions = [(a, b) for a in (2, 3, 4) for b in (1, 5)]
@@ -228,6 +231,7 @@ def test_lora_on_the_real_model_trains_its_adapters_and_the_pool_follows_the_mer
     assert not any("lora_" in name for name in reloaded.state_dict())
 
 
+@pytest.mark.slow  # make test-slow: the real model's conversion
 def test_smollm2s_template_renders_a_tool_turn_as_the_appended_delta(smollm2):
     """SmolLM2's own chat template is append-only, and an episode's tokens (the prompt, the call as sampled up to its
     stop string, the delta) are exactly the tokens of the rendered conversation."""
@@ -248,6 +252,7 @@ def test_smollm2s_template_renders_a_tool_turn_as_the_appended_delta(smollm2):
     assert episode == tokenizer(rendered, add_special_tokens=False).input_ids
 
 
+@pytest.mark.slow  # make test-slow: the real model
 def test_a_tool_using_episode_of_smollm2_through_its_chat_template_trains_on_policy(smollm2):
     """One iteration of the calculator tool in SmolLM2's tool-call format (two solved examples in the chat): the
     model calls the tool, reads its answer and answers; its turns' log-probs are θ_k's (the on-policy check)."""

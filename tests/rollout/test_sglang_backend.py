@@ -608,6 +608,7 @@ def test_training_through_the_sglang_pool(tmp_path, monkeypatch):
     assert datamodule.pool.health().workers == 0  # closed at the end of the run
 
 
+@pytest.mark.slow  # make test-slow: the GPU check's whole SGLang sequence
 def test_the_gpu_check_sglang_section_runs_its_sequence_against_the_standin(tmp_path):
     """gpu_check/gpu_check_sglang.py (for GPU boxes with sglang) exercised here with the stand-in."""
     script = Path(__file__).resolve().parents[2] / "gpu_check" / "gpu_check_sglang.py"

@@ -272,6 +272,7 @@ def undisturbed():
 
 
 # -- the tests ---------------------------------------------------------------------------------------------
+@pytest.mark.slow  # make test-slow: fault injection, half a minute
 def test_killed_and_crashed_workers_are_replaced_and_the_run_trains_what_an_undisturbed_run_trains(
     undisturbed, tmp_path, caplog
 ):
@@ -315,6 +316,7 @@ def test_a_replacement_started_from_the_prefetch_thread_outlives_that_thread(und
     _assert_same_run(run, undisturbed)
 
 
+@pytest.mark.slow  # make test-slow: waits out a hung worker's timeout
 def test_a_hung_worker_is_killed_and_replaced(undisturbed, caplog):
     """Worker 0 is SIGSTOPped as iteration 1 starts: after response_timeout_s of silence it is killed."""
     stopped = {}
@@ -365,6 +367,7 @@ def test_a_worker_that_keeps_dying_stops_the_run_after_max_restarts_and_leaves_n
     assert not _spawned_children()
 
 
+@pytest.mark.slow  # make test-slow: megabytes of messages
 def test_a_worker_killed_while_sending_large_messages_does_not_disturb_the_others():
     """Best effort: the kills land at random moments of a stream of multi-megabyte messages, mostly in the
     middle of one. The dead worker's partial message must be dropped and the other worker's stream stay
