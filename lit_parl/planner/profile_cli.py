@@ -12,6 +12,11 @@ the fastest as the overrides to add::
         shape.micro_batch_size=512
 
 Nothing is changed behind the user's back: the job runs as configured until the printed overrides are added.
+``--fit`` asks for them at once: after the profile the job is trained with the chosen overrides added (the process
+becomes ``lit-parl``, as if the printed command had been typed)::
+
+    lit-parl-profile --fit -- data=reverse shape.prompts=64
+
 The mode alone changes nothing that is trained (sync and async train the same samples to the same weights at one
 chunking); the chunking changes the order of a gradient's sums (one optimizer step an iteration either way) and,
 in the ``hf`` pool, the generation batches a sample is drawn in, whose numerics can move a draw at the margin.
@@ -39,6 +44,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=5, help="iterations left out at the start of each profile")
     p.add_argument("--chunks", default="8,16", help="the two chunkings profiled: prompts per chunk, comma-separated")
     p.add_argument("--keep", type=Path, default=None, help="keep the profile runs in this directory")
+    p.add_argument("--fit", action="store_true", help="then train the job with the fastest mode and chunking")
     p.add_argument("overrides", nargs="*", help="the job: lit-parl overrides (after --)")
     args = p.parse_args(argv)
     args.chunks = [int(c) for c in args.chunks.split(",")]
@@ -57,7 +63,7 @@ def profile_overrides(mode: str, chunk: int, group_size: int) -> list[str]:
 
 def run_profiles(args: argparse.Namespace, root: Path, group_size: int) -> list[Path]:
     """The four profile runs of the job, one after another; their run directories."""
-    lit_parl = Path(sys.executable).parent / "lit-parl"
+    lit_parl = lit_parl_command()
     runs = []
     for mode in MODES:
         for chunk in args.chunks:
@@ -78,6 +84,11 @@ def run_profiles(args: argparse.Namespace, root: Path, group_size: int) -> list[
                 raise RuntimeError(f"the profile run `{' '.join(command)}` failed:\n{result.stderr[-2000:]}")
             runs.append(run_dir)
     return runs
+
+
+def lit_parl_command() -> Path:
+    """The ``lit-parl`` script installed beside this interpreter."""
+    return Path(sys.executable).parent / "lit-parl"
 
 
 def job_shape(overrides: list[str]) -> tuple[int, int]:
@@ -124,8 +135,13 @@ def main(argv: list[str] | None = None) -> int:
     mode, chunk, rate = ranked[0]
     batch = chunk * group_size
     print(f"fastest: {mode}, {chunk} prompts per chunk, micro-batches of {batch} ({rate:,.0f} completions/s predicted)")
-    print("run it with: lit-parl " + " ".join([*args.overrides, *profile_overrides(mode, chunk, group_size)]))
-    return 0
+    chosen = [*args.overrides, *profile_overrides(mode, chunk, group_size)]
+    if not args.fit:
+        print("run it with: lit-parl " + " ".join(chosen))
+        return 0
+    print("training it: lit-parl " + " ".join(chosen), flush=True)
+    command = lit_parl_command()
+    os.execv(command, [str(command), *chosen])  # the job's own process from here: its signals, its exit code
 
 
 if __name__ == "__main__":

@@ -20,16 +20,22 @@ def ranked_rows(out: list[str]) -> list[tuple[str, int, int, float]]:
     return [(mode, int(chunk), int(batch), float(rate.replace(",", ""))) for mode, chunk, batch, rate in rows]
 
 
-def test_every_chunking_of_both_modes_is_ranked_and_the_fastest_is_printed_as_overrides(tmp_path, monkeypatch, capsys):
-    def profiles(args, root, group_size):  # in place of the four runs: profiles of 16 prompts x 4, as written
+def written_profiles(directory: Path):
+    """In place of ``run_profiles``' four runs: profiles of 16 prompts x 4 written under ``directory``."""
+
+    def profiles(args, root, group_size):
         made = []
         for mode in profile_cli.MODES:
             for per_chunk in args.chunks:
-                made.append(tmp_path / f"{mode}_c{per_chunk}")
+                made.append(directory / f"{mode}_c{per_chunk}")
                 write_profile(made[-1], mode=mode, per_chunk=per_chunk, chunk=0.006 + 0.001 * per_chunk)
         return made
 
-    monkeypatch.setattr(profile_cli, "run_profiles", profiles)
+    return profiles
+
+
+def test_every_chunking_of_both_modes_is_ranked_and_the_fastest_is_printed_as_overrides(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(profile_cli, "run_profiles", written_profiles(tmp_path))
     monkeypatch.setattr(profile_cli, "job_shape", lambda overrides: (16, 4))
     assert profile_cli.main(["--warmup", "2", "--chunks", "4,8", "--", "data=reverse"]) == 0
     out = capsys.readouterr().out.splitlines()
@@ -43,6 +49,24 @@ def test_every_chunking_of_both_modes_is_ranked_and_the_fastest_is_printed_as_ov
     mode, chunk, batch, _ = rows[0]
     overrides = f"datamodule.mode={mode} pool.prompts_per_request={chunk} shape.micro_batch_size={batch}"
     assert out[-1] == f"run it with: lit-parl data=reverse {overrides}"
+
+
+def test_with_fit_the_job_is_trained_with_the_fastest_overrides_in_the_same_process(tmp_path, monkeypatch, capsys):
+    execs = []
+    monkeypatch.setattr(profile_cli, "run_profiles", written_profiles(tmp_path))
+    monkeypatch.setattr(profile_cli, "job_shape", lambda overrides: (16, 4))
+    monkeypatch.setattr(profile_cli.os, "execv", lambda path, argv: execs.append((path, argv)))
+    profile_cli.main(["--fit", "--warmup", "2", "--chunks", "4,8", "--", "data=reverse"])
+    out = capsys.readouterr().out.splitlines()
+    mode, chunk, batch, _ = ranked_rows(out)[0]
+    chosen = [
+        "data=reverse",
+        f"datamodule.mode={mode}",
+        f"pool.prompts_per_request={chunk}",
+        f"shape.micro_batch_size={batch}",
+    ]
+    assert execs == [(profile_cli.lit_parl_command(), [str(profile_cli.lit_parl_command()), *chosen])]
+    assert out[-1] == "training it: lit-parl " + " ".join(chosen)
 
 
 def test_chunks_that_do_not_divide_the_iteration_are_refused_before_anything_runs(monkeypatch, capsys):
