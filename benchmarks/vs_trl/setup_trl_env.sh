@@ -18,7 +18,7 @@ test -x "$VENV/bin/python" || "$PYTHON" -m venv "$VENV"
 "$VENV/bin/python" -m pip install -q "$TORCH"
 # keep torch where it is: a dependency asking for another torch must fail here, not replace it
 "$VENV/bin/python" -m pip install -q "$TRL" "$TORCH"
-"$VENV/bin/python" -m pip install -q -e . "$TORCH"
+"$VENV/bin/python" -m pip install -q -e ".[math]" "$TORCH"   # the math task's reward (math-verify)
 "$VENV/bin/python" - <<'EOF'
 import importlib.metadata as md
 for name in ("torch", "trl", "transformers", "accelerate", "datasets", "lit-parl"):

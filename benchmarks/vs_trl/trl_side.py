@@ -12,7 +12,8 @@ the default) or ``64 x 4`` (four accumulated micro-batches). Both generate the s
 step in one ``model.generate`` call and take one optimizer step on the same objective. Which is faster
 depends on the model and the machine; ``vs_trl.py`` runs both.
 The reward function is lit_parl's ``positional_reward`` on the completion's token ids (TRL cuts each
-completion after its first end token, end token included, which is what lit_parl's reward expects).
+completion after its first end token, end token included, which is what lit_parl's reward expects); with
+``--task math``, lit_parl's ``math_reward`` (its last-number fallback on) on the completion's text.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import sys
 import tempfile
 import time
@@ -31,7 +33,14 @@ _T0 = time.monotonic()
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model-dir", required=True, help="a save_pretrained directory (model + tokenizer)")
-    p.add_argument("--task", choices=("copy", "preamble", "reverse"), default="copy")
+    p.add_argument("--task", choices=("copy", "preamble", "reverse", "math"), default="copy")
+    p.add_argument(
+        "--data-file",
+        default=None,
+        help="--task math: a JSONL of question/answer rows (conf/data/gsm8k_format.yaml's columns), drawn in the "
+        "order lit_parl's PromptSchedule draws them at --seed, scored by lit_parl's math_reward on the text "
+        "(its last-number fallback on)",
+    )
     p.add_argument(
         "--system-prompt",
         default=None,
@@ -61,7 +70,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--max-grad-norm", type=float, default=1.0)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--out", required=True, help="JSON result path")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if (args.task == "math") != (args.data_file is not None):
+        p.error("--data-file goes with --task math, and --task math needs it")
+    return args
 
 
 def main(argv=None) -> dict:
@@ -79,7 +91,9 @@ def main(argv=None) -> dict:
     from lit_parl.prompts.prompt_row import PromptRow
     from lit_parl.tasks import CopyTask, ReverseTask, positional_reward
 
-    if args.task == "copy":
+    if args.task == "math":
+        task = None  # rows from --data-file, below
+    elif args.task == "copy":
         task = CopyTask(min_digits=2, max_digits=4, seed=args.seed)  # conf/task/copy.yaml
     elif args.task == "reverse":
         task = ReverseTask(min_digits=2, max_digits=4, seed=args.seed)  # conf/data/reverse.yaml
@@ -107,8 +121,17 @@ def main(argv=None) -> dict:
 
     # lit_parl's iteration k trains prompts k*N .. k*N+N-1 of the task, in order: same here (no shuffle)
     n_prompts = args.steps * args.prompts_per_step
-    made = [task.make(i) for i in range(n_prompts)]
-    if args.system_prompt is not None:  # the chat-rendered text lit_parl's datamodule gives its pool
+    if task is None:  # lit_parl's data path: its dataset rows, in its order for this seed, rendered as it renders
+        from lit_parl.data.prompt_schedule import PromptSchedule
+        from lit_parl.prompts.dataset_prompts import DatasetPrompts
+
+        rows = DatasetPrompts(path=args.data_file, prompt_column="question", answer_column="answer")
+        chat = PromptFormat(chat=True, system_prompt=args.system_prompt)
+        drawn = PromptSchedule(rows, tokenizer, args.group_size, args.seed, chat).draw(list(range(n_prompts)), 0)
+        made = [(drawn[i].text, drawn[i].row.answer) for i in range(n_prompts)]
+    else:
+        made = [task.make(i) for i in range(n_prompts)]
+    if task is not None and args.system_prompt is not None:  # the chat-rendered text lit_parl's pool gets
         chat = PromptFormat(chat=True, system_prompt=args.system_prompt)
         made = [(chat.render(PromptRow(index=i, prompt=p), tokenizer), a) for i, (p, a) in enumerate(made)]
     dataset = datasets.Dataset.from_dict({"prompt": [p for p, _ in made], "answer": [a for _, a in made]})
@@ -132,6 +155,17 @@ def main(argv=None) -> dict:
         record["rewards"].append(sum(rewards) / len(rewards))  # one call per generation batch = one step
         record["completions"] += len(rewards)
         record["tokens"] += sum(len(ids) for ids in completion_ids)
+        record["reward_calls"] += 1
+        return rewards
+
+    def sum_reward(prompts, completions, answer, **kwargs):
+        """lit_parl.rewards.math_answers.math_reward (last-number fallback on) on the decoded completion."""
+        from lit_parl.rewards.math_answers import math_reward
+
+        rewards = [math_reward(text, gold, fallback_last_number=True) for text, gold in zip(completions, answer)]
+        record["rewards"].append(sum(rewards) / len(rewards))
+        record["completions"] += len(rewards)
+        record["tokens"] += sum(len(ids) for ids in kwargs["completion_ids"])
         record["reward_calls"] += 1
         return rewards
 
@@ -212,7 +246,7 @@ def main(argv=None) -> dict:
         )
     trainer = GRPOTrainer(
         model=model,
-        reward_funcs=copy_reward,
+        reward_funcs=sum_reward if task is None else copy_reward,
         args=config,
         train_dataset=dataset,
         processing_class=tokenizer,
@@ -222,6 +256,7 @@ def main(argv=None) -> dict:
     start = time.monotonic()  # read by StepClock
     trainer.train()
     wall = time.monotonic() - start
+    shutil.rmtree(output_dir, ignore_errors=True)  # save_strategy="no": nothing of TRL's is kept there
     rewards = record["rewards"]
     if len(rewards) != args.steps or record["completions"] != args.steps * samples_per_step:
         raise RuntimeError(
